@@ -1,0 +1,449 @@
+// slime/nn/config.hpp: Qwen3Config, the architecture of a Qwen3 dense or
+// Qwen3-MoE decoder, read from and written to Hugging Face config.json.
+//
+// Reading follows transformers (Qwen3Config / Qwen3MoeConfig) so that a
+// checkpoint means the same model here as there:
+// - model_type "qwen3" or "qwen3_moe"; when absent it is taken from
+//   "architectures", else from whether num_experts is present and positive.
+// - vocab_size, hidden_size, intermediate_size, num_hidden_layers and
+//   num_attention_heads are required (no real checkpoint omits them; a
+//   missing one means the wrong file). Other fields, when absent or null,
+//   take transformers' defaults for the model type:
+//     field                    qwen3                     qwen3_moe
+//     num_key_value_heads      32 (null: attention heads) 4
+//     head_dim                 128                       hidden_size / num_attention_heads
+//     max_position_embeddings  32768                     32768
+//     rms_norm_eps             1e-6                      1e-6
+//     rope_theta               10000                     10000
+//     tie_word_embeddings      false                     false
+//     attention_bias           false                     false
+//     torch_dtype              float32                   float32
+//     num_experts              0 (dense)                 128
+//     num_experts_per_tok      0                         8
+//     moe_intermediate_size    0                         768
+//     norm_topk_prob           false                     false
+//     decoder_sparse_step      1                         1
+//     mlp_only_layers          []                        []
+//     router_aux_loss_coef     0.001                     0.001
+//   (Qwen3Config's head_dim default is 128, not hidden/heads; Qwen3MoeConfig
+//   has no head_dim field and its attention falls back to hidden/heads.)
+// - Spellings in the wild: num_experts / num_local_experts, top-level
+//   rope_theta / rope_parameters.rope_theta (transformers 5), torch_dtype /
+//   dtype. When both spellings are present they must agree.
+// - What slime does not implement is an error rather than a silent change of
+//   the model: rope scaling other than "default" (YaRN, linear, ...),
+//   use_sliding_window = true, hidden_act other than "silu".
+// - Keys not interpreted here (bos/eos_token_id, initializer_range, use_cache,
+//   ...) are kept in `extra` and written back by to_json().
+//
+// Writing (to_json) emits both spellings where transformers 4 and 5 differ,
+// so that either version, and tools that read config.json directly, load it:
+// top-level "rope_theta" and "rope_parameters": {"rope_theta", "rope_type":
+// "default"}; "torch_dtype" and "dtype". MoE configs write "num_experts".
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "slime/core/dtype.hpp"
+#include "slime/core/error.hpp"
+
+namespace slime::nn {
+
+struct Qwen3Config {
+  std::string model_type = "qwen3";  // "qwen3" (dense) or "qwen3_moe"
+
+  int64_t vocab_size = 151936;
+  int64_t hidden_size = 4096;
+  int64_t intermediate_size = 22016;  // dense MLP (and the MLP of mlp_only_layers)
+  int num_hidden_layers = 32;
+  int num_attention_heads = 32;
+  int num_key_value_heads = 32;
+  int head_dim = 128;
+  int64_t max_position_embeddings = 32768;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  DType torch_dtype = DType::f32;
+  bool attention_bias = false;
+
+  // Mixture of experts (qwen3_moe); num_experts == 0 for dense models.
+  int num_experts = 0;
+  int num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  bool norm_topk_prob = false;
+  int decoder_sparse_step = 1;
+  std::vector<int> mlp_only_layers;  // layers with a dense MLP instead of experts
+  double router_aux_loss_coef = 0.001;
+
+  // config.json keys this struct does not interpret, written back by to_json.
+  nlohmann::json extra = nlohmann::json::object();
+  // Where the config came from (a file path); named in errors. Empty when
+  // built in code.
+  std::string source;
+
+  bool is_moe() const { return num_experts > 0; }
+
+  // Qwen3-MoE's rule (Qwen3MoeDecoderLayer): experts unless the layer is in
+  // mlp_only_layers, and only every decoder_sparse_step-th layer.
+  bool is_moe_layer(int layer) const {
+    SLIME_CHECK(layer >= 0 && layer < num_hidden_layers, where(), ": layer ", layer, " out of range [0, ",
+                num_hidden_layers, ")");
+    if (num_experts <= 0) return false;
+    SLIME_CHECK(decoder_sparse_step > 0, where(), ": decoder_sparse_step = ", decoder_sparse_step, " must be positive");
+    if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) return false;
+    return (layer + 1) % decoder_sparse_step == 0;
+  }
+
+  // Throws slime::Error naming the field, its value and the source.
+  void validate() const {
+    if (model_type != "qwen3" && model_type != "qwen3_moe")
+      fail("model_type = '", model_type, "' is not a Qwen3 model type (expected 'qwen3' or 'qwen3_moe')");
+    positive("vocab_size", vocab_size);
+    positive("hidden_size", hidden_size);
+    positive("intermediate_size", intermediate_size);
+    positive("num_hidden_layers", num_hidden_layers);
+    positive("num_attention_heads", num_attention_heads);
+    positive("num_key_value_heads", num_key_value_heads);
+    positive("head_dim", head_dim);
+    positive("max_position_embeddings", max_position_embeddings);
+    if (num_attention_heads % num_key_value_heads != 0)
+      fail("num_attention_heads = ", num_attention_heads,
+           " is not a multiple of num_key_value_heads = ", num_key_value_heads);
+    if (head_dim % 2 != 0) fail("head_dim = ", head_dim, " must be even (RoPE rotates pairs)");
+    if (!(std::isfinite(rms_norm_eps) && rms_norm_eps > 0)) fail("rms_norm_eps = ", rms_norm_eps, " must be > 0");
+    if (!(std::isfinite(rope_theta) && rope_theta > 0)) fail("rope_theta = ", rope_theta, " must be > 0");
+    if (!is_floating(torch_dtype)) fail("torch_dtype = ", dtype_name(torch_dtype), " is not a floating-point dtype");
+    if (model_type == "qwen3" && num_experts != 0)
+      fail("num_experts = ", num_experts, " but model_type 'qwen3' is dense (use 'qwen3_moe')");
+    if (model_type == "qwen3_moe") {
+      positive("num_experts", num_experts);
+      positive("num_experts_per_tok", num_experts_per_tok);
+      if (num_experts_per_tok > num_experts)
+        fail("num_experts_per_tok = ", num_experts_per_tok, " exceeds num_experts = ", num_experts);
+      positive("moe_intermediate_size", moe_intermediate_size);
+      positive("decoder_sparse_step", decoder_sparse_step);
+      if (!(std::isfinite(router_aux_loss_coef) && router_aux_loss_coef >= 0))
+        fail("router_aux_loss_coef = ", router_aux_loss_coef, " must be >= 0");
+    }
+    for (int layer : mlp_only_layers)
+      if (layer < 0 || layer >= num_hidden_layers)
+        fail("mlp_only_layers contains ", layer, ", outside [0, num_hidden_layers = ", num_hidden_layers, ")");
+  }
+
+  // Parses a config.json object (see the header comment) and validates it.
+  // `source` names the origin in errors.
+  static Qwen3Config from_json(const nlohmann::json& j, std::string source = {}) {
+    Qwen3Config c;
+    c.source = std::move(source);
+    if (!j.is_object()) c.fail("config is not a JSON object (it is a JSON ", j.type_name(), ")");
+    Reader r{c, j, {}};
+
+    // Model type first: it picks the defaults.
+    if (const auto* mt = r.find("model_type")) {
+      if (!mt->is_string()) c.fail("model_type is not a string: ", mt->dump());
+      c.model_type = mt->get<std::string>();
+    } else if (const auto* arch = r.find("architectures");
+               arch != nullptr && arch->is_array() && !arch->empty() && (*arch)[0] == "Qwen3MoeForCausalLM") {
+      c.model_type = "qwen3_moe";
+    } else {
+      const auto* e = r.find("num_experts");
+      if (e == nullptr) e = r.find("num_local_experts");
+      c.model_type = e != nullptr && e->is_number() && e->get<double>() > 0 ? "qwen3_moe" : "qwen3";
+    }
+    if (c.model_type != "qwen3" && c.model_type != "qwen3_moe")
+      c.fail("model_type = '", c.model_type, "' is not a Qwen3 model type (expected 'qwen3' or 'qwen3_moe')");
+    const bool moe = c.model_type == "qwen3_moe";
+    r.take("model_type");
+    r.take("architectures");
+
+    c.vocab_size = r.required_int("vocab_size");
+    c.hidden_size = r.required_int("hidden_size");
+    c.intermediate_size = r.required_int("intermediate_size");
+    c.num_hidden_layers = r.required_int32("num_hidden_layers");
+    c.num_attention_heads = r.required_int32("num_attention_heads");
+
+    if (r.present("num_key_value_heads")) {
+      c.num_key_value_heads = r.int32("num_key_value_heads");
+    } else {
+      // null means "same as attention heads" (Qwen3Config); absent takes the class default.
+      const bool explicit_null = j.contains("num_key_value_heads");
+      c.num_key_value_heads = explicit_null ? c.num_attention_heads : (moe ? 4 : 32);
+      r.take("num_key_value_heads");
+    }
+    if (r.present("head_dim")) {
+      c.head_dim = r.int32("head_dim");
+    } else {
+      r.take("head_dim");
+      if (moe) {
+        if (c.num_attention_heads <= 0 || c.hidden_size % c.num_attention_heads != 0)
+          c.fail("head_dim is absent and hidden_size = ", c.hidden_size,
+                 " is not a multiple of num_attention_heads = ", c.num_attention_heads);
+        c.head_dim = int(c.hidden_size / c.num_attention_heads);
+      } else {
+        c.head_dim = 128;
+      }
+    }
+    c.max_position_embeddings = r.int_or("max_position_embeddings", 32768);
+    c.rms_norm_eps = r.number_or("rms_norm_eps", 1e-6);
+    c.tie_word_embeddings = r.bool_or("tie_word_embeddings", false);
+    c.attention_bias = r.bool_or("attention_bias", false);
+
+    // dtype: "torch_dtype" (transformers 4) or "dtype" (transformers 5).
+    {
+      std::optional<DType> a = r.dtype_field("torch_dtype"), b = r.dtype_field("dtype");
+      if (a && b && *a != *b) c.fail("torch_dtype = ", dtype_name(*a), " and dtype = ", dtype_name(*b), " disagree");
+      c.torch_dtype = a ? *a : b ? *b : DType::f32;
+    }
+
+    // RoPE: top-level rope_theta and/or rope_parameters (transformers 5);
+    // rope_scaling (transformers 4) must be null or the default type.
+    {
+      std::optional<double> top;
+      if (r.present("rope_theta")) top = r.number("rope_theta");
+      r.take("rope_theta");
+      std::optional<double> nested;
+      for (const char* key : {"rope_parameters", "rope_scaling"}) {
+        const nlohmann::json* p = r.find(key);
+        r.take(key);
+        if (p == nullptr || p->is_null()) continue;
+        if (!p->is_object()) c.fail(key, " is not an object: ", p->dump());
+        std::string type = "default";
+        for (const char* type_key : {"rope_type", "type"})
+          if (auto it = p->find(type_key); it != p->end()) {
+            if (!it->is_string()) c.fail(key, ".", type_key, " is not a string: ", it->dump());
+            type = it->get<std::string>();
+          }
+        if (type != "default")
+          c.fail(key, " has rope_type '", type, "'; slime implements only the default RoPE (no scaling)");
+        if (auto it = p->find("rope_theta"); it != p->end()) {
+          if (!it->is_number()) c.fail(key, ".rope_theta is not a number: ", it->dump());
+          const double v = it->get<double>();
+          if (nested && *nested != v)
+            c.fail("rope_parameters.rope_theta and rope_scaling.rope_theta disagree: ", *nested, " vs ", v);
+          nested = v;
+        }
+      }
+      if (top && nested && *top != *nested)
+        c.fail("rope_theta = ", *top, " and rope_parameters.rope_theta = ", *nested, " disagree");
+      c.rope_theta = top ? *top : nested ? *nested : 10000.0;
+    }
+
+    // What changes the model but is not implemented.
+    if (r.present("hidden_act")) {
+      const nlohmann::json& act = *r.find("hidden_act");
+      if (!act.is_string() || act.get<std::string>() != "silu")
+        c.fail("hidden_act = ", act.dump(), " is not supported (Qwen3 uses \"silu\")");
+    }
+    r.take("hidden_act");
+    if (r.bool_or("use_sliding_window", false))
+      c.fail("use_sliding_window = true is not supported (slime's Qwen3 attention is full causal)");
+
+    if (moe) {
+      std::optional<int> a, b;
+      if (r.present("num_experts")) a = r.int32("num_experts");
+      if (r.present("num_local_experts")) b = r.int32("num_local_experts");
+      r.take("num_experts");
+      r.take("num_local_experts");
+      if (a && b && *a != *b) c.fail("num_experts = ", *a, " and num_local_experts = ", *b, " disagree");
+      c.num_experts = a ? *a : b ? *b : 128;
+      c.num_experts_per_tok = r.int32_or("num_experts_per_tok", 8);
+      c.moe_intermediate_size = r.int_or("moe_intermediate_size", 768);
+      c.norm_topk_prob = r.bool_or("norm_topk_prob", false);
+      c.decoder_sparse_step = r.int32_or("decoder_sparse_step", 1);
+      c.router_aux_loss_coef = r.number_or("router_aux_loss_coef", 0.001);
+      if (r.present("mlp_only_layers")) {
+        const nlohmann::json& l = *r.find("mlp_only_layers");
+        if (!l.is_array()) c.fail("mlp_only_layers is not an array: ", l.dump());
+        for (const auto& e : l) {
+          if (!e.is_number_integer() || e.get<int64_t>() < INT32_MIN || e.get<int64_t>() > INT32_MAX)
+            c.fail("mlp_only_layers = ", l.dump(), " holds ", e.dump(), ", which is not a layer index");
+          c.mlp_only_layers.push_back(e.get<int>());
+        }
+      }
+      r.take("mlp_only_layers");
+    } else {
+      // A dense model_type with experts is a contradiction, not a dense model.
+      for (const char* key : {"num_experts", "num_local_experts"})
+        if (const auto* e = r.find(key); e != nullptr && e->is_number() && e->get<double>() > 0)
+          c.fail(key, " = ", e->dump(), " but model_type 'qwen3' is dense (expected 'qwen3_moe')");
+      c.num_experts = 0;
+      c.num_experts_per_tok = 0;
+      c.moe_intermediate_size = 0;
+    }
+
+    for (auto& [key, value] : j.items())
+      if (!r.used.count(key)) c.extra[key] = value;
+    c.validate();
+    return c;
+  }
+
+  // Reads and validates a config.json file; errors name the file.
+  static Qwen3Config from_file(const std::filesystem::path& path) {
+    std::ifstream in(path);
+    if (!in) SLIME_FAIL("config '", path.string(), "': cannot open");
+    std::stringstream text;
+    text << in.rdbuf();
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(text.str());
+    } catch (const nlohmann::json::exception& e) {
+      SLIME_FAIL("config '", path.string(), "': not valid JSON: ", e.what());
+    }
+    return from_json(j, path.string());
+  }
+
+  // config.json as transformers' Qwen3Config / Qwen3MoeConfig expect it.
+  nlohmann::json to_json() const {
+    validate();
+    nlohmann::json j = extra;
+    const bool moe = model_type == "qwen3_moe";
+    j["architectures"] = {moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"};
+    j["model_type"] = model_type;
+    j["vocab_size"] = vocab_size;
+    j["hidden_size"] = hidden_size;
+    j["intermediate_size"] = intermediate_size;
+    j["num_hidden_layers"] = num_hidden_layers;
+    j["num_attention_heads"] = num_attention_heads;
+    j["num_key_value_heads"] = num_key_value_heads;
+    j["head_dim"] = head_dim;
+    j["max_position_embeddings"] = max_position_embeddings;
+    j["rms_norm_eps"] = rms_norm_eps;
+    j["rope_theta"] = rope_theta;
+    j["rope_parameters"] = {{"rope_theta", rope_theta}, {"rope_type", "default"}};
+    j["tie_word_embeddings"] = tie_word_embeddings;
+    j["torch_dtype"] = hf_dtype_name(torch_dtype);
+    j["dtype"] = hf_dtype_name(torch_dtype);
+    j["attention_bias"] = attention_bias;
+    j["hidden_act"] = "silu";
+    j["use_sliding_window"] = false;
+    if (moe) {
+      j["num_experts"] = num_experts;
+      j["num_experts_per_tok"] = num_experts_per_tok;
+      j["moe_intermediate_size"] = moe_intermediate_size;
+      j["norm_topk_prob"] = norm_topk_prob;
+      j["decoder_sparse_step"] = decoder_sparse_step;
+      j["mlp_only_layers"] = mlp_only_layers;
+      j["router_aux_loss_coef"] = router_aux_loss_coef;
+    }
+    return j;
+  }
+
+ private:
+  static std::string_view hf_dtype_name(DType t) {
+    switch (t) {
+      case DType::f32:
+        return "float32";
+      case DType::bf16:
+        return "bfloat16";
+      case DType::f16:
+        return "float16";
+      case DType::i32:
+        return "int32";
+      case DType::i64:
+        return "int64";
+      case DType::u8:
+        return "uint8";
+    }
+    return "?";
+  }
+
+  std::string where() const { return source.empty() ? std::string("Qwen3Config") : "config '" + source + "'"; }
+
+  template <class... Args>
+  [[noreturn]] void fail(const Args&... args) const {
+    SLIME_FAIL(where(), ": ", args...);
+  }
+
+  template <class T>
+  void positive(const char* field, T value) const {
+    if (value <= 0) fail(field, " = ", value, " must be positive");
+  }
+
+  // Typed access to config.json fields that records which keys were used.
+  struct Reader {
+    const Qwen3Config& c;
+    const nlohmann::json& j;
+    std::set<std::string> used;
+
+    const nlohmann::json* find(const char* key) const {
+      auto it = j.find(key);
+      return it == j.end() ? nullptr : &*it;
+    }
+    void take(const char* key) { used.insert(key); }
+    // Present and not null.
+    bool present(const char* key) const {
+      const auto* v = find(key);
+      return v != nullptr && !v->is_null();
+    }
+    int64_t integer(const char* key) {
+      take(key);
+      const nlohmann::json& v = *find(key);
+      if (!v.is_number_integer()) c.fail(key, " = ", v.dump(), " is not an integer");
+      if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))
+        c.fail(key, " = ", v.dump(), " is too large");
+      return v.get<int64_t>();
+    }
+    int int32(const char* key) {
+      const int64_t v = integer(key);
+      if (v < INT32_MIN || v > INT32_MAX) c.fail(key, " = ", v, " does not fit in a 32-bit int");
+      return int(v);
+    }
+    int64_t required_int(const char* key) {
+      if (!present(key)) c.fail("required field '", key, "' is missing");
+      return integer(key);
+    }
+    int required_int32(const char* key) {
+      if (!present(key)) c.fail("required field '", key, "' is missing");
+      return int32(key);
+    }
+    int64_t int_or(const char* key, int64_t fallback) {
+      take(key);
+      return present(key) ? integer(key) : fallback;
+    }
+    int int32_or(const char* key, int fallback) {
+      take(key);
+      return present(key) ? int32(key) : fallback;
+    }
+    double number(const char* key) {
+      take(key);
+      const nlohmann::json& v = *find(key);
+      if (!v.is_number()) c.fail(key, " = ", v.dump(), " is not a number");
+      return v.get<double>();
+    }
+    double number_or(const char* key, double fallback) {
+      take(key);
+      return present(key) ? number(key) : fallback;
+    }
+    bool bool_or(const char* key, bool fallback) {
+      take(key);
+      if (!present(key)) return fallback;
+      const nlohmann::json& v = *find(key);
+      if (!v.is_boolean()) c.fail(key, " = ", v.dump(), " is not a boolean");
+      return v.get<bool>();
+    }
+    std::optional<DType> dtype_field(const char* key) {
+      take(key);
+      if (!present(key)) return std::nullopt;
+      const nlohmann::json& v = *find(key);
+      if (!v.is_string()) c.fail(key, " = ", v.dump(), " is not a string");
+      std::string s = v.get<std::string>();
+      if (s.starts_with("torch.")) s = s.substr(6);
+      if (s != "float32" && s != "bfloat16" && s != "float16")
+        c.fail(key, " = \"", v.get<std::string>(), "\" is not one of float32, bfloat16, float16");
+      return parse_dtype(s);
+    }
+  };
+};
+
+}  // namespace slime::nn
