@@ -622,7 +622,7 @@ TEST_CASE("all_reduce is deterministic: rank order, bitwise run to run", "[comm]
   }
 }
 
-TEST_CASE("integer sums wrap; max and min propagate NaN", "[comm][local_comm]") {
+TEST_CASE("integer sums wrap, max and min propagate NaN", "[comm][local_comm]") {
   std::vector<int32_t> i32(2);
   std::vector<uint8_t> u8(2);
   std::vector<int64_t> i64(2);

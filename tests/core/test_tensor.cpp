@@ -55,7 +55,7 @@ TEST_CASE("from_vector, to_vector and typed access", "[core][tensor]") {
   CHECK(t.str() == "Tensor[f32, (3, 4), cpu]");
 }
 
-TEST_CASE("views share storage; reshape and rows", "[core][tensor]") {
+TEST_CASE("views share storage, reshape and rows", "[core][tensor]") {
   std::vector<int32_t> v(24);
   std::iota(v.begin(), v.end(), 0);
   Tensor t = Tensor::from_vector(v, {4, 6});

@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# tools/gpu-test.sh: build, test and benchmark slime on the GPU machine (H200,
+# CUDA 13, 1 or 2 GPUs). Run from the repository root:
+#
+#   tools/gpu-test.sh            # logs and JSON in ${OUT:-build/gpu/out}
+#
+# Steps: configure build/gpu (Release, CUDA on, sm_90a), build with every core,
+# run all ctest tests (the CPU ones too), run the `gpu` and `multi_gpu` labels
+# again for their own summaries, and with 2 GPUs run the NCCL collective
+# benchmark, the PyTorch baseline and their comparison. A failed step is
+# recorded and the script goes on; it exits non-zero if any step failed. Every
+# step runs under a deadline so that the whole script ends within about
+# 8 minutes (SLIME_GPU_TEST_BUDGET_S, default 470 seconds, for all steps). The
+# last thing printed is the summary: each step, tests passed/failed/skipped per
+# label, and the bandwidth table.
+#
+# NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 for every step (slime
+# never enables it; on shared hosts a program using it can take the GPUs out
+# of service), and likewise PyTorch's and NVSHMEM's multicast.
+set -uo pipefail
+
+export NCCL_NVLS_ENABLE=0
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+
+BUILD=build/gpu
+OUT_DIR=${OUT:-$BUILD/out}
+BUDGET_S=${SLIME_GPU_TEST_BUDGET_S:-470}
+JOBS=$(nproc 2>/dev/null || echo 8)
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+START=$SECONDS
+
+step_names=()
+step_results=()
+step_secs=()
+failed=0
+
+# step NAME CAP_SECONDS COMMAND...: runs COMMAND with its output in
+# $OUT_DIR/NAME.log (and the last lines on screen when it fails), for at most
+# CAP_SECONDS and never past the overall budget.
+step() {
+  local name=$1 cap=$2
+  shift 2
+  local left=$((BUDGET_S - (SECONDS - START)))
+  local limit=$((cap < left ? cap : left))
+  local log="$OUT_DIR/$name.log"
+  if ((limit < 15)); then
+    echo "== $name: not run, out of time"
+    step_names+=("$name"); step_results+=("NOT RUN (out of time)"); step_secs+=(0)
+    failed=1
+    return 1
+  fi
+  echo "== $name (limit ${limit}s, log $log)"
+  local t0=$SECONDS rc
+  timeout --kill-after=15 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  local took=$((SECONDS - t0)) result
+  if ((rc == 0)); then
+    result="ok"
+  elif ((rc == 124 || rc == 137)); then
+    result="FAILED (timed out after ${limit}s)"
+  else
+    result="FAILED (exit $rc)"
+  fi
+  step_names+=("$name"); step_results+=("$result"); step_secs+=("$took")
+  echo "   $result in ${took}s"
+  if [[ $result != ok ]]; then
+    failed=1
+    tail -n 40 "$log" | sed 's/^/   | /'
+    return 1
+  fi
+  return 0
+}
+
+skip_step() {  # skip_step NAME REASON
+  echo "== $1: skipped ($2)"
+  step_names+=("$1"); step_results+=("skipped ($2)"); step_secs+=(0)
+}
+
+gpu_count() {
+  local n=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ') || n=0
+  fi
+  if ((n == 0)) && command -v python3 >/dev/null 2>&1; then
+    n=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null) || n=0
+  fi
+  echo "${n:-0}"
+}
+
+# A port P with P and P+1 free (torchrun's store on P, slime's bootstrap on P+1).
+free_port_pair() {
+  python3 - <<'PY' 2>/dev/null || echo $((20000 + RANDOM % 40000))
+import random, socket
+def free(p):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("", p))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+for _ in range(500):
+    p = random.randint(20000, 60000)
+    if free(p) and free(p + 1):
+        print(p)
+        break
+PY
+}
+
+GPUS=$(gpu_count)
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "host: $(hostname)"
+  echo "gpus: $GPUS"
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi topo -m
+  nvcc --version 2>&1 | tail -n 2
+  cmake --version | head -n 1
+  python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())' 2>&1
+  ls /usr/lib/x86_64-linux-gnu/libnccl.so* 2>/dev/null
+  echo "NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE"
+} >"$OUT_DIR/environment.txt" 2>&1
+echo "slime gpu-test: $GPUS GPU(s), $JOBS cores, budget ${BUDGET_S}s, output in $OUT_DIR"
+
+# ---- configure and build --------------------------------------------------------
+step configure 120 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSLIME_ENABLE_CUDA=ON \
+  -DCMAKE_CUDA_ARCHITECTURES=90a
+# -k 0: build every target that can be built, so one broken file does not
+# keep the other tests from running.
+step build 300 cmake --build "$BUILD" -j "$JOBS" -- -k 0
+
+# ---- tests ----------------------------------------------------------------------
+# ctest's JUnit files carry each test's labels; summarize() counts them.
+step ctest-all 240 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -j 4 \
+  --output-junit "$OUT_DIR/ctest-all.xml"
+step ctest-gpu 150 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -j 4 -L '^gpu$' \
+  --output-junit "$OUT_DIR/ctest-gpu.xml"
+step ctest-multi_gpu 120 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -L '^multi_gpu$' \
+  --output-junit "$OUT_DIR/ctest-multi_gpu.xml"
+
+# ---- benchmarks -----------------------------------------------------------------
+BENCH="$BUILD/bench/bench_collectives"
+if ((GPUS < 2)); then
+  skip_step bench-collectives "needs 2 GPUs, found $GPUS"
+  skip_step bench-torch "needs 2 GPUs, found $GPUS"
+  skip_step bench-compare "needs 2 GPUs"
+else
+  if [[ -x $BENCH ]]; then
+    step bench-collectives 150 "$BENCH" --benchmark_out="$OUT_DIR/bench_collectives.json" \
+      --benchmark_out_format=json
+  else
+    skip_step bench-collectives "$BENCH was not built"
+    failed=1
+  fi
+  if command -v torchrun >/dev/null 2>&1; then
+    TORCHRUN=(torchrun)
+  else
+    TORCHRUN=(python3 -m torch.distributed.run)
+  fi
+  PORT=$(free_port_pair)
+  step bench-torch 150 "${TORCHRUN[@]}" --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1 \
+    --master-port "$PORT" bench/torch_collectives.py --out "$OUT_DIR/torch_collectives.json"
+  step bench-compare 30 python3 bench/compare_collectives.py --slime "$OUT_DIR/bench_collectives.json" \
+    --torch "$OUT_DIR/torch_collectives.json"
+fi
+
+# ---- summary ----------------------------------------------------------------------
+summarize() {
+  python3 - "$OUT_DIR" <<'PY'
+import os, sys, xml.etree.ElementTree as ET
+out = sys.argv[1]
+rows = []
+for run in ("all", "gpu", "multi_gpu"):
+    path = os.path.join(out, f"ctest-{run}.xml")
+    if not os.path.exists(path):
+        rows.append((f"ctest -L {run}" if run != "all" else "ctest (all)", "all", None))
+        continue
+    try:
+        cases = ET.parse(path).getroot().iter("testcase")
+    except ET.ParseError as e:
+        rows.append((f"ctest {run}", "all", f"unreadable: {e}"))
+        continue
+    counts = {}
+    for case in cases:
+        labels = []
+        for prop in case.iter("property"):
+            if prop.get("name") == "cmake_labels":
+                labels = [l for l in (prop.get("value") or "").split(";") if l]
+        status = case.get("status", "")
+        kind = "passed" if status == "run" else "skipped" if status in ("notrun", "disabled") else "failed"
+        if status == "notrun" and case.find("skipped") is None:
+            kind = "failed"  # not run for another reason (e.g. not built)
+        where = ["(total)"] + (["gpu"] if "gpu" in labels else []) + (["multi_gpu"] if "multi_gpu" in labels else [])
+        if not any(l in ("gpu", "multi_gpu") for l in labels):
+            where.append("cpu")
+        for w in where:
+            c = counts.setdefault(w, {"passed": 0, "failed": 0, "skipped": 0})
+            c[kind] += 1
+    name = "ctest (all)" if run == "all" else f"ctest -L {run}"
+    if not counts:
+        rows.append((name, run, "no tests"))
+    for label in ("(total)", "cpu", "gpu", "multi_gpu"):
+        if label in counts:
+            rows.append((name, label, counts[label]))
+print(f"{'run':<18} {'label':<10} {'passed':>7} {'failed':>7} {'skipped':>8}")
+for name, label, c in rows:
+    if c is None:
+        print(f"{name:<18} {label:<10} {'(no result)':>24}")
+    elif isinstance(c, str):
+        print(f"{name:<18} {label:<10} {c}")
+    else:
+        print(f"{name:<18} {label:<10} {c['passed']:>7} {c['failed']:>7} {c['skipped']:>8}")
+PY
+}
+
+{
+  echo
+  echo "================ slime gpu-test summary ================"
+  echo "GPUs: $GPUS   total time: $((SECONDS - START))s   output: $OUT_DIR"
+  echo
+  printf '%-18s %-40s %6s\n' step result seconds
+  for i in "${!step_names[@]}"; do
+    printf '%-18s %-40s %6s\n' "${step_names[$i]}" "${step_results[$i]}" "${step_secs[$i]}"
+  done
+  echo
+  summarize 2>&1 || echo "(test summary unavailable)"
+  if [[ -f $OUT_DIR/bench-compare.log ]]; then
+    echo
+    cat "$OUT_DIR/bench-compare.log"
+  fi
+  echo
+  if ((failed)); then echo "RESULT: FAILED (see the logs above)"; else echo "RESULT: OK"; fi
+} | tee "$OUT_DIR/summary.txt"
+exit $failed
