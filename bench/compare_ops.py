@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Prints slime's op benchmarks beside their PyTorch baselines.
+
+--slime: Google Benchmark JSON (--benchmark_out_format=json) of bench_<family>.
+--torch: the baseline's results: a JSON list, or JSON lines, of objects with
+         "name" (or "bench") and "us" (median microseconds), plus any rates.
+Benchmarks are matched by name after dropping Google Benchmark's suffixes
+(/manual_time, /iterations:N, /real_time, aggregate names). Ratio = torch time
+/ slime time, so > 1 means slime is faster.
+"""
+import argparse
+import json
+import re
+import sys
+
+
+def load_torch(path):
+    text = open(path).read().strip()
+    if not text:
+        return []
+    try:
+        data = json.loads(text)
+        rows = data if isinstance(data, list) else data.get("results", [data])
+    except json.JSONDecodeError:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip().startswith("{")]
+    out = {}
+    for r in rows:
+        name = r.get("name") or r.get("bench")
+        if name is not None and "us" in r:
+            out[name] = r
+    return out
+
+
+def base_name(name):
+    name = re.sub(r"/(manual_time|real_time|process_time)$", "", name)
+    name = re.sub(r"/iterations:\d+", "", name)
+    name = re.sub(r"/repeats:\d+", "", name)
+    return name
+
+
+def load_slime(path):
+    data = json.load(open(path))
+    out = {}
+    for b in data.get("benchmarks", []):
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
+            continue
+        if b.get("error_occurred"):
+            out[base_name(b.get("run_name", b["name"]))] = {"error": b.get("error_message", "error")}
+            continue
+        scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[b.get("time_unit", "ns")]
+        row = {"us": b["real_time"] * scale}
+        for k, v in b.items():
+            if isinstance(v, (int, float)) and k not in ("real_time", "cpu_time", "iterations", "repetitions",
+                                                        "repetition_index", "threads", "family_index",
+                                                        "per_family_instance_index"):
+                row[k] = v
+        out[base_name(b.get("run_name", b["name"]))] = row
+    return out
+
+
+def rate(row):
+    for key in ("TFLOPS", "tflops", "TFLOP/s", "GBps", "gbps", "GB/s", "busbw_GBps"):
+        if key in row:
+            return f"{row[key]:.1f} {key}"
+    return ""
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--slime", required=True)
+    ap.add_argument("--torch", required=True)
+    args = ap.parse_args()
+    slime = load_slime(args.slime)
+    torch = load_torch(args.torch)
+    family = re.sub(r"^bench_|\.json$", "", args.slime.split("/")[-1])
+    print(f"{family}: slime vs PyTorch (ratio = torch time / slime time; > 1: slime faster)")
+    print(f"{'benchmark':<44} {'slime us':>10} {'torch us':>10} {'ratio':>7}  slime rate / torch rate")
+    for name in sorted(set(slime) | set(torch)):
+        s, t = slime.get(name), torch.get(name)
+        if s and "error" in s:
+            print(f"{name:<44} error: {s['error']}")
+            continue
+        su = f"{s['us']:.1f}" if s else "-"
+        tu = f"{t['us']:.1f}" if t else "-"
+        ratio = f"{t['us'] / s['us']:.2f}" if s and t and s["us"] > 0 else "-"
+        rates = " / ".join(x for x in (rate(s) if s else "", rate(t) if t else "") if x)
+        print(f"{name:<44} {su:>10} {tu:>10} {ratio:>7}  {rates}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
