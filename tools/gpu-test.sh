@@ -139,6 +139,11 @@ step ctest-all 240 ctest --test-dir "$BUILD" --output-on-failure --no-tests=erro
   --output-junit "$OUT_DIR/ctest-all.xml"
 step ctest-gpu 150 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -j 4 -L '^gpu$' \
   --output-junit "$OUT_DIR/ctest-gpu.xml"
+# The gpu tests once more on a single GPU, as a one-GPU machine sees them.
+if ((GPUS >= 2)); then
+  step ctest-gpu-1dev 150 env CUDA_VISIBLE_DEVICES=0 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error \
+    -j 4 -L '^gpu$' --output-junit "$OUT_DIR/ctest-gpu-1dev.xml"
+fi
 step ctest-multi_gpu 120 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -L '^multi_gpu$' \
   --output-junit "$OUT_DIR/ctest-multi_gpu.xml"
 
@@ -168,13 +173,30 @@ else
     --torch "$OUT_DIR/torch_collectives.json"
 fi
 
+# ---- op benchmarks: bench_<family> (Google Benchmark) beside bench/torch_<family>.py
+for list in bench/*.cmake; do
+  family=$(basename "$list" .cmake)
+  bin="$BUILD/bench/bench_$family"
+  if [[ ! -x $bin ]]; then
+    skip_step "bench-$family" "$bin was not built"
+    failed=1
+    continue
+  fi
+  step "bench-$family" 90 "$bin" --benchmark_out="$OUT_DIR/bench_$family.json" --benchmark_out_format=json
+  if [[ -f bench/torch_$family.py ]]; then
+    step "torch-$family" 90 python3 "bench/torch_$family.py" --out "$OUT_DIR/torch_$family.json"
+    step "compare-$family" 30 python3 bench/compare_ops.py --slime "$OUT_DIR/bench_$family.json" \
+      --torch "$OUT_DIR/torch_$family.json"
+  fi
+done
+
 # ---- summary ----------------------------------------------------------------------
 summarize() {
   python3 - "$OUT_DIR" <<'PY'
 import os, sys, xml.etree.ElementTree as ET
 out = sys.argv[1]
 rows = []
-for run in ("all", "gpu", "multi_gpu"):
+for run in ("all", "gpu", "gpu-1dev", "multi_gpu"):
     path = os.path.join(out, f"ctest-{run}.xml")
     if not os.path.exists(path):
         rows.append((f"ctest -L {run}" if run != "all" else "ctest (all)", "all", None))
@@ -228,10 +250,12 @@ PY
   done
   echo
   summarize 2>&1 || echo "(test summary unavailable)"
-  if [[ -f $OUT_DIR/bench-compare.log ]]; then
-    echo
-    cat "$OUT_DIR/bench-compare.log"
-  fi
+  for log in "$OUT_DIR"/bench-compare.log "$OUT_DIR"/compare-*.log; do
+    if [[ -f $log ]]; then
+      echo
+      cat "$log"
+    fi
+  done
   echo
   if ((failed)); then echo "RESULT: FAILED (see the logs above)"; else echo "RESULT: OK"; fi
 } | tee "$OUT_DIR/summary.txt"

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""PyTorch baseline for bench/bench_attention.cu, and the side-by-side table.
+
+Times torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+with the FLASH_ATTENTION and the CUDNN_ATTENTION backends on the batch that
+slime's packed benchmark is equivalent to: B sequences of S tokens each (equal
+lengths, so a padded [B, H, S, d] batch does exactly the packed work), H = 16
+heads, bf16, one GPU. The tensors are allocated [B, S, H, d] and passed
+transposed, which is slime's packed [tokens, heads, d] memory layout.
+
+    fwd     out = sdpa(q, k, v, is_causal=True)                 (no autograd)
+    fwdbwd  out = sdpa(...); torch.autograd.grad(out, (q, k, v), dout)
+    bwd     fwdbwd - fwd (derived from the two medians)
+
+FLOP, as in bench_attention.cu: pairs = B S (S + 1) / 2 (the (query, key)
+pairs the causal mask keeps); fwd = 4 d pairs H; bwd = 2.5 fwd; fwdbwd = 3.5 fwd.
+
+Method, per shape, backend and op: one correctness check of the forward
+against the MATH backend in fp32 on head 0, --warmup untimed calls, then
+--reps timed batches of --batch calls between two CUDA events on the current
+stream; the time of one call is the median over batches of batch time / batch.
+Prints one JSON line per row, {"bench", "us", "tflops", "backend", ...}; the
+FLASH rows carry bench_attention's names ("attention/hd128/1x4096/fwd"), the
+cuDNN rows the same with "/cudnn" appended; all go to --out.
+
+With --slime BENCH_JSON (bench_attention's --benchmark_out, JSON format) it
+also prints slime's TFLOP/s beside both backends' and the ratios slime / torch.
+
+    python3 bench/torch_attention.py --out torch_attention.json --slime bench_attention.json
+
+Standard library and torch only.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HEADS = 16
+# (head_dim, sequences, tokens per sequence), as in bench_attention.cu.
+SHAPES = [(128, 1, 4096), (128, 4, 1024), (64, 1, 2048), (64, 4, 512)]
+BACKENDS = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]
+
+
+def flop(d, b, s, op):
+    fwd = 4.0 * d * (b * s * (s + 1) / 2) * HEADS
+    return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}[op]
+
+
+def bench_name(d, b, s, op, backend):
+    name = f"attention/hd{d}/{b}x{s}/{op}"
+    return name if backend == "flash" else name + "/" + backend
+
+
+def time_op(run, warmup, reps, batch):
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times_ms = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(batch):
+            run()
+        end.record()
+        end.synchronize()
+        times_ms.append(start.elapsed_time(end) / batch)
+    return statistics.median(times_ms)
+
+
+def check(out, q, k, v):
+    """Head 0 of the backend's output against the fp32 MATH backend; '' or what went wrong."""
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(q[:, :1].float(), k[:, :1].float(), v[:, :1].float(), is_causal=True)
+    got = out[:, :1].float()
+    err = ((got - want).norm() / want.norm()).item()
+    return "" if err <= 1e-2 else f"forward relative error {err:.3g} > 1e-2"
+
+
+def slime_medians(path):
+    """{benchmark name: TFLOP/s} from bench_attention's JSON (median aggregates)."""
+    with open(path) as f:
+        doc = json.load(f)
+    out = {}
+    for b in doc.get("benchmarks", []):
+        if b.get("run_type") == "aggregate" and b.get("aggregate_name") == "median" and "TFLOPs" in b:
+            parts = [p for p in b["run_name"].split("/") if ":" not in p and p not in ("manual_time", "real_time")]
+            out["/".join(parts)] = b["TFLOPs"]
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="torch_attention.json")
+    p.add_argument("--slime", help="bench_attention JSON to compare with")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=20, help="timed batches; the median is reported")
+    p.add_argument("--batch", type=int, default=5, help="calls per timed batch")
+    args = p.parse_args()
+
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device")
+    device = torch.device("cuda", 0)
+    rows = []
+    for d, b, s in SHAPES:
+        g = torch.Generator(device=device).manual_seed(1)
+
+        def make():
+            return torch.randn(b, s, HEADS, d, device=device, generator=g, dtype=torch.bfloat16)
+
+        qb, kb, vb = (make().requires_grad_() for _ in range(3))
+        q, k, v = (x.transpose(1, 2) for x in (qb, kb, vb))  # [B, H, S, d] views of [B, S, H, d]
+        dout = make().transpose(1, 2)
+        for backend, kind in BACKENDS:
+            times, error = {}, ""
+            try:
+                with sdpa_kernel(kind):
+                    def fwd():
+                        with torch.no_grad():
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+                    def fwdbwd():
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                        return torch.autograd.grad(out, (qb, kb, vb), dout)
+
+                    error = check(fwd(), q, k, v)
+                    times["fwd"] = time_op(fwd, args.warmup, args.reps, args.batch)
+                    times["fwdbwd"] = time_op(fwdbwd, args.warmup, args.reps, args.batch)
+                    times["bwd"] = times["fwdbwd"] - times["fwd"]
+            except RuntimeError as e:  # backend not available for this shape or build
+                error = str(e).splitlines()[0]
+            for op in ("fwd", "bwd", "fwdbwd"):
+                row = {"bench": bench_name(d, b, s, op, backend), "backend": backend}
+                if op in times:
+                    us = times[op] * 1e3
+                    row.update({"us": us, "tflops": flop(d, b, s, op) / (us * 1e-6) / 1e12})
+                    if op == "bwd":
+                        row["derived"] = "fwdbwd - fwd"
+                if error:
+                    row["error"] = error
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+    with open(args.out, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+    if args.slime:
+        slime = slime_medians(args.slime)
+        by_name = {r["bench"]: r for r in rows}
+        print(f"\n{'benchmark':<34} {'slime':>8} {'flash':>8} {'ratio':>6} {'cudnn':>8} {'ratio':>6}   (TFLOP/s)")
+        for d, b, s in SHAPES:
+            for op in ("fwd", "bwd", "fwdbwd"):
+                name = bench_name(d, b, s, op, "flash")
+                sl = slime.get(name)
+                cells = [f"{sl:8.1f}" if sl else f"{'-':>8}"]
+                for backend, _ in BACKENDS:
+                    t = by_name.get(bench_name(d, b, s, op, backend), {}).get("tflops")
+                    cells.append(f"{t:8.1f}" if t else f"{'-':>8}")
+                    cells.append(f"{sl / t:6.2f}" if sl and t else f"{'-':>6}")
+                print(f"{name:<34} " + " ".join(cells))
+    return 1 if any("error" in r for r in rows if r["backend"] == "flash") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,831 @@
+// src/ops/attention_kernels.cuh: FlashAttention-2 style kernels for packed
+// (varlen) GQA attention on bf16, head_dim 64 or 128, with a mask policy
+// (CausalMask / FullMask from slime/ops/cpu/attention.hpp). Included only by
+// the per-variant translation units attention_{fwd,bwd}_hd{64,128}.cu.
+//
+// Tensor cores through mma.sync.m16n8k16 (bf16 in, fp32 accumulate), operands
+// from shared memory by ldmatrix, tiles loaded by cp.async (double-buffered).
+// Shared-memory rows are padded by 16 bytes (row stride d + 8 elements), so the
+// 8 row addresses of one ldmatrix 8x8 matrix fall in 8 distinct 16-byte bank
+// groups (no conflicts) and every 16-byte cp.async destination stays aligned.
+//
+// Fragment layouts used throughout (g = lane / 4, t = lane % 4), from the PTX
+// ISA for mma.m16n8k16 with .bf16:
+//   A (16x16, row-major) regs a0..a3: (row g, cols 2t..2t+1), (row g+8, same),
+//                                     (row g, cols 2t+8..+9), (row g+8, same)
+//   B (16x8, "col")       regs b0, b1: (rows 2t..2t+1, col g), (rows 2t+8..+9, col g)
+//   C (16x8 fp32)         c0..c3:      (row g, cols 2t, 2t+1), (row g+8, cols 2t, 2t+1)
+// ldmatrix.x4 gives register r the 8x8 matrix whose row addresses come from
+// lanes 8r..8r+7; without .trans thread t holds (row t/4, cols 2(t%4)..+1) of
+// it, with .trans (rows 2(t%4)..+1, col t/4).
+// Two adjacent C tiles (16x8 each) hold exactly the A fragment of the 16x16
+// tile they form: c of tile 2k -> a0, a1; c of tile 2k+1 -> a2, a3 (after
+// packing to bf16). This is how P (forward) and P^T, dS^T (backward) feed the
+// next product without going through shared memory.
+//
+// Rounding: bf16 operands into fp32 accumulators everywhere. P is rounded to
+// bf16 for P V (forward) and P^T dO (backward), dS to bf16 for dS^T Q and
+// dS K; the backward forms dS = P (dP - D) from the bf16 P, as FA2 does for
+// the products. Softmax statistics (max, sum, lse) and D stay fp32.
+//
+// Determinism: forward (o, lse), dk and dv are bitwise run-to-run
+// deterministic (fixed summation order). dq is accumulated across key blocks
+// with fp32 atomics (red.global.add.v2.f32): not run-to-run deterministic (the
+// order of additions varies; differences are fp32 rounding).
+//
+// Registers (ptxas, sm_90a, CUDA 13.0): forward 214 (d 128) / 128 capped
+// (d 64, 2 CTAs/SM, 8-byte spill); backward 225-229 (d 64) / 255 (d 128, an
+// 8-byte spill in the causal variant). The printf of check_sequence costs
+// ~16 bytes of stack on the cold path.
+//
+// What would be tuned next, measured on the H200 (none of this is measured
+// yet): the tile shapes in FwdConfig / BwdConfig (BM 128 with 2 m-tiles per
+// warp as FA2 does, so K and V fragments are reused twice from registers and
+// shared-memory traffic per FLOP halves; BN 128 for d = 64); an XOR swizzle
+// instead of padding (saves the 6% of shared memory that blocks a second
+// backward CTA per SM); the K and V tiles in registers in the backward for
+// d = 64; splitting the K and V cp.async groups so that the softmax overlaps
+// the V load; staging o through shared memory for 16-byte stores; a
+// persistent, longest-first tile scheduler for varlen batches; a
+// deterministic dq (a second kernel iterating key blocks per query block, at
+// 3 more products of the 5); and in the end a wgmma (sm_90a) rewrite with TMA
+// loads and warp specialisation (FA3).
+//
+// Host emulation: tests/ops/test_attention.cpp defines SLIME_ATTENTION_EMULATION
+// and runs these kernel bodies on the CPU (threads as fibers; ldmatrix, mma,
+// shuffles and cp.async emulated from the PTX ISA's definitions), so that CI
+// without a GPU checks the fragment index math. Under that macro this file
+// leaves out the PTX wrappers (the test supplies its own) and the launchers,
+// and takes dynamic shared memory from SLIME_ATTENTION_DYNAMIC_SMEM.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "slime/ops/cuda/attention.hpp"
+
+#if !defined(SLIME_ATTENTION_EMULATION)
+#define SLIME_ATTENTION_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+namespace slime::ops::cuda::attention_impl {
+
+using bf16 = __nv_bfloat16;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+#if !defined(SLIME_ATTENTION_EMULATION)
+// ---- PTX wrappers --------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared; when !full the destination is zero-filled and
+// nothing is read (src must still be a valid address).
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool full) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(full ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// c += a * b for one m16n8k16 tile.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+#endif  // !SLIME_ATTENTION_EMULATION
+
+// Two floats -> bf16x2 (round to nearest even); `lo` in the low half, which is
+// the lower column index in every fragment.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, sizeof r);  // no type punning through pointers
+  return r;
+}
+
+// The two bf16 of a 32-bit word as floats (low half first).
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// The A fragment of the 16x16 tile formed by C tiles c[2k] and c[2k+1].
+__device__ __forceinline__ void c_pair_to_a(uint32_t (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_bf16(lo[0], lo[1]);
+  a[1] = pack_bf16(lo[2], lo[3]);
+  a[2] = pack_bf16(hi[0], hi[1]);
+  a[3] = pack_bf16(hi[2], hi[3]);
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Lane offsets into a tile of row stride `stride` for the three ldmatrix.x4
+// patterns (m16 = rows 0..15 at cols 0 / 8, the A pattern and the .trans B
+// pattern; n16 = two 8-row groups at cols 0 / 8, the non-trans B pattern for
+// two n-tiles; n16t = the .trans A pattern of dS^T).
+__device__ __forceinline__ int lane_off_m16(int lane, int stride) { return (lane & 15) * stride + (lane >> 4) * 8; }
+__device__ __forceinline__ int lane_off_n16(int lane, int stride) {
+  return ((lane & 7) + ((lane >> 4) << 3)) * stride + ((lane >> 3) & 1) * 8;
+}
+
+// Copies a kRows x kD bf16 tile (global row stride `stride` elements) into
+// shared memory with row stride kD + 8; rows >= valid are zero-filled. Row 0
+// of `g` must be a valid address (it is the dummy source of zero fills).
+template <int kRows, int kD, int kThreads>
+__device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int64_t stride, int valid, int tid) {
+  constexpr int kChunksPerRow = kD / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  constexpr int kIters = (kChunks + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int c = it * kThreads + tid;
+    if (kChunks % kThreads == 0 || c < kChunks) {
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      const bool ok = r < valid;
+      cp_async_16(s + r * (kD + 8) + col, ok ? g + r * stride + col : g, ok);
+    }
+  }
+}
+
+template <class Mask>
+__device__ __forceinline__ Mask make_mask(const AttentionOptions& opt, int len_q, int len_k) {
+  if constexpr (std::is_same_v<Mask, CausalMask>) {
+    return CausalMask{opt.offset_for(len_q, len_k)};
+  } else {
+    return Mask{};
+  }
+}
+
+// Cheap device-side checks of cu_seqlens (the host cannot read them without a
+// sync): lengths non-negative, within max_seqlen (the grid's extent), first
+// entry 0, last entry the token count. A broken invariant traps.
+__device__ __forceinline__ void check_sequence(const int32_t* cu, int b, int num_seqs, int total, int len, int max_len,
+                                               const char* which) {
+  const bool bad = len < 0 || len > max_len || (b == 0 && cu[0] != 0) || (b == num_seqs - 1 && cu[num_seqs] != total);
+  if (bad) {
+    printf("slime attention: invalid cu_seqlens_%s at sequence %d (length %d, max_seqlen %d, total %d)\n", which, b,
+           len, max_len, total);
+    __trap();
+  }
+}
+
+// ---- Forward -------------------------------------------------------------------
+
+// Tile shapes. Each warp owns 16 query rows (one m16 tile) and keeps its Q
+// fragments in registers; BM = 16 * warps. Shared memory: Q [BM, d+8] and
+// kStages x (K, V) [BN, d+8].
+//   d = 128: BM 128, BN 64, 8 warps, 1 CTA/SM: 104 KB smem, <= 255 registers.
+//   d = 64:  BM 128, BN 64, 8 warps, 2 CTAs/SM: 54 KB smem, <= 128 registers.
+// Chosen by construction (as FA2's shapes), not yet by measurement.
+template <int kD>
+struct FwdConfig {
+  static constexpr int kHeadDim = kD;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockN = 64;
+  static constexpr int kStages = 2;
+  static constexpr int kMinBlocks = kD == 64 ? 2 : 1;
+  static constexpr int kStride = kD + 8;  // smem row stride, elements
+  static constexpr int kSmemBytes = (kBlockM + 2 * kStages * kBlockN) * kStride * int(sizeof(bf16));
+  static_assert(kD % 16 == 0 && kBlockN % 16 == 0, "tiles are made of 16x16 mma steps");
+};
+
+template <class Cfg, class Mask>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_kernel(const AttentionForwardParams p) {
+  constexpr int kD = Cfg::kHeadDim, kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kStride = Cfg::kStride;
+  constexpr int kThreads = Cfg::kThreads;
+  SLIME_ATTENTION_DYNAMIC_SMEM(smem_raw);
+  bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
+  bf16* sK = sQ + kBM * kStride;                 // [kStages][kBN][kStride]
+  bf16* sV = sK + Cfg::kStages * kBN * kStride;  // [kStages][kBN][kStride]
+
+  // The longest causal rows (highest block index) start first.
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
+  const int b = blockIdx.y, h = blockIdx.z;
+  const int q0 = p.cu_seqlens_q[b], len_q = p.cu_seqlens_q[b + 1] - q0;
+  const int k0 = p.cu_seqlens_k[b], len_k = p.cu_seqlens_k[b + 1] - k0;
+  if (blockIdx.x == 0 && h == 0) {
+    check_sequence(p.cu_seqlens_q, b, p.num_seqs, p.tokens_q, len_q, p.max_seqlen_q, "q");
+    check_sequence(p.cu_seqlens_k, b, p.num_seqs, p.tokens_k, len_k, 0x7fffffff, "k");
+  }
+  const int row0 = m_block * kBM;
+  if (row0 >= len_q) return;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int hk = h / (p.heads_q / p.heads_kv);
+  const Mask mask = make_mask<Mask>(p.options, len_q, len_k);
+  const int rows_here = min(kBM, len_q - row0);
+  // Keys [0, key_end) are seen by some row of this block; keys [0, full_end)
+  // by every row (prefix masks: key_end is non-decreasing in the row).
+  const int key_end = mask.key_end(row0 + rows_here - 1, len_k);
+  const int full_end = mask.key_end(row0, len_k);
+  const int n_blocks = (key_end + kBN - 1) / kBN;
+
+  const int64_t q_stride = int64_t(p.heads_q) * kD, kv_stride = int64_t(p.heads_kv) * kD;
+  const bf16* gQ = static_cast<const bf16*>(p.q) + int64_t(q0 + row0) * q_stride + h * kD;
+  const bf16* gK = static_cast<const bf16*>(p.k) + int64_t(k0) * kv_stride + hk * kD;
+  const bf16* gV = static_cast<const bf16*>(p.v) + int64_t(k0) * kv_stride + hk * kD;
+
+  // Groups in flight: {Q}, {K0, V0}; then one group per loop iteration.
+  load_tile<kBM, kD, kThreads>(sQ, gQ, q_stride, rows_here, tid);
+  cp_async_commit();
+  if (n_blocks > 0) {
+    load_tile<kBN, kD, kThreads>(sK, gK, kv_stride, min(kBN, len_k), tid);
+    load_tile<kBN, kD, kThreads>(sV, gV, kv_stride, min(kBN, len_k), tid);
+  }
+  cp_async_commit();
+
+  const float scale_log2 = p.softmax_scale * kLog2e;
+  float acc_o[kD / 8][4];
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[i][e] = 0.f;
+  // Per thread: rows g and g + 8 of the warp's 16. m_i is the running max of
+  // the raw scores (-inf until a visible key), l_i this thread's part of the
+  // running sum of exp2(score * scale_log2 - m_i * scale_log2).
+  float m_i[2] = {-INFINITY, -INFINITY};
+  float l_i[2] = {0.f, 0.f};
+  // Q fragments stay in registers for the whole key loop.
+  uint32_t qf[kD / 16][4];
+  cp_async_wait<1>();  // Q landed
+  __syncthreads();
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks)
+    ldmatrix_x4(qf[ks], sQ + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+
+  for (int n = 0; n < n_blocks; ++n) {
+    const int stage = n & 1;
+    if (n + 1 < n_blocks) {
+      const int next = (n + 1) * kBN;
+      const int valid = min(kBN, len_k - next);
+      load_tile<kBN, kD, kThreads>(sK + (stage ^ 1) * kBN * kStride, gK + int64_t(next) * kv_stride, kv_stride, valid,
+                                   tid);
+      load_tile<kBN, kD, kThreads>(sV + (stage ^ 1) * kBN * kStride, gV + int64_t(next) * kv_stride, kv_stride, valid,
+                                   tid);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();  // everything but the group just committed: tile n landed
+    __syncthreads();
+
+    const bf16* sKs = sK + stage * kBN * kStride;
+    const bf16* sVs = sV + stage * kBN * kStride;
+
+    // S = Q K^T for the warp's 16 rows x kBN keys.
+    float s[kBN / 8][4];
+#pragma unroll
+    for (int i = 0; i < kBN / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+#pragma unroll
+      for (int j = 0; j < kBN / 16; ++j) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, sKs + 16 * j * kStride + lane_off_n16(lane, kStride) + ks * 16);
+        mma_bf16(s[2 * j], qf[ks], kb[0], kb[1]);
+        mma_bf16(s[2 * j + 1], qf[ks], kb[2], kb[3]);
+      }
+    }
+
+    // Mask: only tiles holding a key some row of the block must not see.
+    if ((n + 1) * kBN > full_end) {
+#pragma unroll
+      for (int i = 0; i < kBN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = row0 + warp * 16 + (lane >> 2) + (e >> 1) * 8;
+          const int key = n * kBN + i * 8 + 2 * (lane & 3) + (e & 1);
+          if (key >= mask.key_end(row, len_k)) s[i][e] = -INFINITY;
+        }
+    }
+
+    // Online softmax in the log2 domain.
+    float m_scaled[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = m_i[r];
+#pragma unroll
+      for (int i = 0; i < kBN / 8; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * r], s[i][2 * r + 1]));
+      mx = quad_max(mx);
+      // A row with no visible key yet keeps max -inf; subtracting 0 instead
+      // keeps every exp2 argument -inf (-> 0) rather than NaN.
+      m_scaled[r] = mx == -INFINITY ? 0.f : mx * scale_log2;
+      const float corr = exp2f(m_i[r] * scale_log2 - m_scaled[r]);  // 0 while m_i = -inf
+      m_i[r] = mx;
+      l_i[r] *= corr;
+#pragma unroll
+      for (int i = 0; i < kD / 8; ++i) {
+        acc_o[i][2 * r] *= corr;
+        acc_o[i][2 * r + 1] *= corr;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBN / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pv = exp2f(fmaf(s[i][e], scale_log2, -m_scaled[e >> 1]));
+        s[i][e] = pv;
+        l_i[e >> 1] += pv;
+      }
+
+      // O += P V: P straight from the S registers, V by ldmatrix.trans.
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      uint32_t pa[4];
+      c_pair_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+      for (int j = 0; j < kD / 16; ++j) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, sVs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
+        mma_bf16(acc_o[2 * j], pa, vb[0], vb[1]);
+        mma_bf16(acc_o[2 * j + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: o = acc / l, lse = ln 2 * (m * scale_log2 + log2 l); a row with
+  // no visible key (l = 0) gets o = 0, lse = -inf.
+  bf16* gO = static_cast<bf16*>(p.o) + int64_t(q0) * q_stride + h * kD;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(l_i[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse = l > 0.f ? (m_i[r] * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+    const int row = row0 + warp * 16 + (lane >> 2) + 8 * r;
+    if (row < len_q) {
+      bf16* o_row = gO + int64_t(row) * q_stride;
+#pragma unroll
+      for (int i = 0; i < kD / 8; ++i)
+        *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane & 3)) =
+            pack_bf16(acc_o[i][2 * r] * inv, acc_o[i][2 * r + 1] * inv);
+      if ((lane & 3) == 0) p.lse[int64_t(q0 + row) * p.heads_q + h] = lse;
+    }
+  }
+}
+
+#if !defined(SLIME_ATTENTION_EMULATION)
+template <class Cfg, class Mask>
+void launch_forward(const AttentionForwardParams& p, cudaStream_t stream) {
+  if (p.num_seqs == 0 || p.max_seqlen_q == 0 || p.heads_q == 0) return;
+  auto kernel = attention_fwd_kernel<Cfg, Mask>;
+  SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  const dim3 grid(unsigned((p.max_seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM), unsigned(p.num_seqs),
+                  unsigned(p.heads_q));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  SLIME_CUDA_CHECK_LAUNCH();
+}
+
+template <int kD>
+void forward_launch(const AttentionForwardParams& p, cudaStream_t stream) {
+  if (p.options.causal) {
+    launch_forward<FwdConfig<kD>, CausalMask>(p, stream);
+  } else {
+    launch_forward<FwdConfig<kD>, FullMask>(p, stream);
+  }
+}
+#endif  // !SLIME_ATTENTION_EMULATION
+
+// ---- Backward ------------------------------------------------------------------
+
+// D = rowsum(do * o) per (token, head), fp32: kD / 8 lanes per row, 16 bytes
+// each. rows = T * Hq.
+template <int kD>
+__global__ void attention_bwd_preprocess_kernel(const bf16* o, const bf16* d_o, float* delta, int64_t rows) {
+  constexpr int kLanes = kD / 8;
+  static_assert(32 % kLanes == 0, "a row's lanes stay inside one warp");
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const int part = int(threadIdx.x % kLanes);
+  float sum = 0.f;
+  if (row < rows) {
+    const uint4 a = *reinterpret_cast<const uint4*>(o + row * kD + part * 8);
+    const uint4 c = *reinterpret_cast<const uint4*>(d_o + row * kD + part * 8);
+    const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, cw[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sum = fmaf(bf16_lo(aw[i]), bf16_lo(cw[i]), fmaf(bf16_hi(aw[i]), bf16_hi(cw[i]), sum));
+  }
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (row < rows && part == 0) delta[row] = sum;
+}
+
+// dq = bf16(scale * dq_accum), 4 elements per thread (n % 4 == 0). A
+// template so that each translation unit's copy is its own instantiation.
+template <int kD>
+__global__ void attention_bwd_dq_kernel(const float* acc, bf16* dq, int64_t n, float scale) {
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4; i < n;
+       i += int64_t(gridDim.x) * blockDim.x * 4) {
+    const float4 a = *reinterpret_cast<const float4*>(acc + i);
+    uint2 out;
+    out.x = pack_bf16(a.x * scale, a.y * scale);
+    out.y = pack_bf16(a.z * scale, a.w * scale);
+    *reinterpret_cast<uint2*>(dq + i) = out;
+  }
+}
+
+// One CTA per (key block, sequence, kv head): K and V of kBN keys stay in
+// shared memory, dK and dV accumulate in registers over every query head of
+// the kv head's group and every query block that sees a key of the block,
+// then are written once (deterministic; GQA sums inside the CTA). Warp w owns
+// keys 16w..16w+15 and computes, per query block of kBM rows:
+//   S^T = K Q^T, dP^T = V dO^T                      (A = K, V; B = Q, dO rows)
+//   P^T = exp2(S^T scale_log2 - lse_log2) (kept as bf16), dS^T = P^T (dP^T - D)
+//   dV += P^T dO, dK += dS^T Q                      (A = P^T, dS^T registers)
+// dS^T goes to shared memory; then dQ_partial = dS K over the kBN keys, split
+// over the warps by rows and columns, is added to the fp32 dq accumulator with
+// atomics.
+//   d = 128: BN 128 (8 warps), BM 64: 158 KB smem, 1 CTA/SM (FA2's shape).
+//   d = 64:  BN 128 (8 warps), BM 64: 92 KB smem, 1 CTA/SM (registers).
+template <int kD>
+struct BwdConfig {
+  static constexpr int kHeadDim = kD;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockN = 16 * kWarps;  // keys per CTA
+  static constexpr int kBlockM = 64;           // query rows per step
+  static constexpr int kMinBlocks = 1;
+  static constexpr int kStride = kD + 8;
+  static constexpr int kStrideS = kBlockM + 8;  // dS^T [kBlockN][kBlockM + 8]
+  static constexpr int kWarpsM = kBlockM / 16;  // dQ: warps along query rows
+  static constexpr int kWarpsN = kWarps / kWarpsM;
+  static constexpr int kDqCols = kD / kWarpsN;
+  static constexpr int kSmemBytes = ((2 * kBlockN + 4 * kBlockM) * kStride + kBlockN * kStrideS) * int(sizeof(bf16)) +
+                                    4 * kBlockM * int(sizeof(float));
+  static_assert(kWarps % kWarpsM == 0 && kDqCols % 16 == 0, "dQ tile must split evenly over the warps");
+  static_assert(kBlockM % 16 == 0 && kBlockM <= kThreads, "one thread per query row loads lse and D");
+};
+
+template <class Cfg, class Mask>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
+    attention_bwd_kernel(const AttentionBackwardParams bp) {
+  constexpr int kD = Cfg::kHeadDim, kBM = Cfg::kBlockM, kBN = Cfg::kBlockN;
+  constexpr int kStride = Cfg::kStride, kStrideS = Cfg::kStrideS, kThreads = Cfg::kThreads;
+  const AttentionForwardParams& p = bp.fwd;
+  SLIME_ATTENTION_DYNAMIC_SMEM(smem_raw);
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);                  // [kBN][kStride]
+  bf16* sV = sK + kBN * kStride;                                 // [kBN][kStride]
+  bf16* sQ = sV + kBN * kStride;                                 // [2][kBM][kStride]
+  bf16* sdO = sQ + 2 * kBM * kStride;                            // [2][kBM][kStride]
+  bf16* sdS = sdO + 2 * kBM * kStride;                           // [kBN][kStrideS]
+  float* sLse = reinterpret_cast<float*>(sdS + kBN * kStrideS);  // [2][kBM], log2 domain
+  float* sDelta = sLse + 2 * kBM;                                // [2][kBM]
+
+  const int n_block = blockIdx.x, b = blockIdx.y, hk = blockIdx.z;
+  const int q0 = p.cu_seqlens_q[b], len_q = p.cu_seqlens_q[b + 1] - q0;
+  const int k0 = p.cu_seqlens_k[b], len_k = p.cu_seqlens_k[b + 1] - k0;
+  if (n_block == 0 && hk == 0) {
+    check_sequence(p.cu_seqlens_q, b, p.num_seqs, p.tokens_q, len_q, 0x7fffffff, "q");
+    check_sequence(p.cu_seqlens_k, b, p.num_seqs, p.tokens_k, len_k, p.max_seqlen_k, "k");
+  }
+  const int key0 = n_block * kBN;
+  if (key0 >= len_k) return;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int group = p.heads_q / p.heads_kv;
+  const Mask mask = make_mask<Mask>(p.options, len_q, len_k);
+  const int keys_here = min(kBN, len_k - key0);
+  // Query rows [first, len_q) see some key of this block.
+  const int first = max(0, mask.first_row(key0));
+  const int m_begin = first / kBM;
+  const int m_end = first < len_q ? (len_q + kBM - 1) / kBM : m_begin;
+  const int n_m = m_end - m_begin;
+  const int n_iter = n_m * group;
+
+  const int64_t q_stride = int64_t(p.heads_q) * kD, kv_stride = int64_t(p.heads_kv) * kD;
+  const bf16* gK = static_cast<const bf16*>(p.k) + int64_t(k0 + key0) * kv_stride + hk * kD;
+  const bf16* gV = static_cast<const bf16*>(p.v) + int64_t(k0 + key0) * kv_stride + hk * kD;
+  const bf16* gQ = static_cast<const bf16*>(p.q) + int64_t(q0) * q_stride;
+  const bf16* gdO = static_cast<const bf16*>(bp.d_o) + int64_t(q0) * q_stride;
+  float* dq_acc = bp.workspace + int64_t(q0) * q_stride;
+  const float* delta = bp.workspace + int64_t(p.tokens_q) * q_stride + int64_t(q0) * p.heads_q;
+  const float scale_log2 = p.softmax_scale * kLog2e;
+
+  // Step `it` is query head hk * group + it / n_m, query block m_begin + it % n_m.
+  // Q and dO of a step go to buffer `buf` by cp.async.
+  auto load_tiles = [&](int it, int buf) {
+    const int h = hk * group + it / n_m;
+    const int row0 = (m_begin + it % n_m) * kBM;
+    const int valid = min(kBM, len_q - row0);
+    load_tile<kBM, kD, kThreads>(sQ + buf * kBM * kStride, gQ + int64_t(row0) * q_stride + h * kD, q_stride, valid,
+                                 tid);
+    load_tile<kBM, kD, kThreads>(sdO + buf * kBM * kStride, gdO + int64_t(row0) * q_stride + h * kD, q_stride, valid,
+                                 tid);
+  };
+  // lse (log2 domain) and D of row `tid` of a step, read into registers early
+  // and stored to shared memory late, so the loads' latency hides behind a
+  // step of compute. Rows past the sequence and rows that saw no key
+  // (lse = -inf) get lse = +inf: every P of theirs is exp2(-inf) = 0.
+  auto load_row_stats = [&](int it, float& lse, float& dlt) {
+    lse = INFINITY;
+    dlt = 0.f;
+    const int h = hk * group + it / n_m;
+    const int row = (m_begin + it % n_m) * kBM + tid;
+    if (tid < kBM && row < len_q) {
+      const float l = p.lse[int64_t(q0 + row) * p.heads_q + h];
+      lse = l == -INFINITY ? INFINITY : l * kLog2e;
+      dlt = delta[int64_t(row) * p.heads_q + h];
+    }
+  };
+  auto store_row_stats = [&](int buf, float lse, float dlt) {
+    if (tid < kBM) {
+      sLse[buf * kBM + tid] = lse;
+      sDelta[buf * kBM + tid] = dlt;
+    }
+  };
+
+  float acc_dk[kD / 8][4], acc_dv[kD / 8][4];
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+
+  if (n_iter > 0) {
+    load_tile<kBN, kD, kThreads>(sK, gK, kv_stride, keys_here, tid);
+    load_tile<kBN, kD, kThreads>(sV, gV, kv_stride, keys_here, tid);
+    load_tiles(0, 0);
+    float lse, dlt;
+    load_row_stats(0, lse, dlt);
+    store_row_stats(0, lse, dlt);
+  }
+  cp_async_commit();
+
+  constexpr int kWarpsM = Cfg::kWarpsM, kDqCols = Cfg::kDqCols;
+  const int wm = warp % kWarpsM, wn = warp / kWarpsM;
+
+  for (int it = 0; it < n_iter; ++it) {
+    const int buf = it & 1;
+    float next_lse = INFINITY, next_dlt = 0.f;
+    if (it + 1 < n_iter) {
+      load_tiles(it + 1, buf ^ 1);
+      load_row_stats(it + 1, next_lse, next_dlt);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const int h = hk * group + it / n_m;
+    const int m = m_begin + it % n_m;
+    const int row0 = m * kBM;
+    const bf16* sQs = sQ + buf * kBM * kStride;
+    const bf16* sdOs = sdO + buf * kBM * kStride;
+    const float* sLs = sLse + buf * kBM;
+    const float* sDs = sDelta + buf * kBM;
+
+    // S^T = K Q^T for the warp's 16 keys x kBM queries, turned in place into
+    // P^T and kept only as bf16 A fragments (the operand of dV and, read back,
+    // of dS), so that S^T and dP^T in fp32 are never live together (register
+    // pressure: dK and dV take 128 registers at d = 128). Element (i, e) of a
+    // C tile array: key 16 warp + g + 8 (e / 2), query 8 i + 2 t + e % 2.
+    uint32_t pa[kBM / 16][4];
+    {
+      float st[kBM / 8][4];
+#pragma unroll
+      for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[i][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kD / 16; ++ks) {
+        uint32_t ka[4];
+        ldmatrix_x4(ka, sK + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+#pragma unroll
+        for (int j = 0; j < kBM / 16; ++j) {
+          uint32_t qb[4];
+          ldmatrix_x4(qb, sQs + 16 * j * kStride + lane_off_n16(lane, kStride) + ks * 16);
+          mma_bf16(st[2 * j], ka, qb[0], qb[1]);
+          mma_bf16(st[2 * j + 1], ka, qb[2], qb[3]);
+        }
+      }
+      const bool need_mask = key0 + kBN > mask.key_end(row0, len_k);
+#pragma unroll
+      for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qc = i * 8 + 2 * (lane & 3) + (e & 1);
+          float pv = exp2f(fmaf(st[i][e], scale_log2, -sLs[qc]));
+          if (need_mask) {
+            const int key = key0 + warp * 16 + (lane >> 2) + (e >> 1) * 8;
+            if (key >= mask.key_end(row0 + qc, len_k)) pv = 0.f;
+          }
+          st[i][e] = pv;
+        }
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk) c_pair_to_a(pa[kk], st[2 * kk], st[2 * kk + 1]);
+    }
+
+    // dV += P^T dO (B = dO by ldmatrix.trans).
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk)
+#pragma unroll
+      for (int j = 0; j < kD / 16; ++j) {
+        uint32_t ob[4];
+        ldmatrix_x4_trans(ob, sdOs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
+        mma_bf16(acc_dv[2 * j], pa[kk], ob[0], ob[1]);
+        mma_bf16(acc_dv[2 * j + 1], pa[kk], ob[2], ob[3]);
+      }
+
+    // dP^T = V dO^T, then dS^T = P^T (dP^T - D) without the softmax scale, P^T
+    // read back from its bf16 fragments (element (i, e) is in register
+    // 2 (i % 2) + e / 2 of pa[i / 2], half e % 2).
+    float dpt[kBM / 8][4];
+#pragma unroll
+    for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dpt[i][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      uint32_t va[4];
+      ldmatrix_x4(va, sV + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+#pragma unroll
+      for (int j = 0; j < kBM / 16; ++j) {
+        uint32_t ob[4];
+        ldmatrix_x4(ob, sdOs + 16 * j * kStride + lane_off_n16(lane, kStride) + ks * 16);
+        mma_bf16(dpt[2 * j], va, ob[0], ob[1]);
+        mma_bf16(dpt[2 * j + 1], va, ob[2], ob[3]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t w = pa[i / 2][2 * (i % 2) + (e >> 1)];
+        const float pv = (e & 1) ? bf16_hi(w) : bf16_lo(w);
+        dpt[i][e] = pv * (dpt[i][e] - sDs[i * 8 + 2 * (lane & 3) + (e & 1)]);
+      }
+
+      // dK += dS^T Q (B = Q by ldmatrix.trans).
+#pragma unroll
+    for (int kk = 0; kk < kBM / 16; ++kk) {
+      uint32_t dsa[4];
+      c_pair_to_a(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
+#pragma unroll
+      for (int j = 0; j < kD / 16; ++j) {
+        uint32_t qb[4];
+        ldmatrix_x4_trans(qb, sQs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
+        mma_bf16(acc_dk[2 * j], dsa, qb[0], qb[1]);
+        mma_bf16(acc_dk[2 * j + 1], dsa, qb[2], qb[3]);
+      }
+    }
+
+    // dS^T -> shared memory, bf16 (the same rounding as the dK product).
+#pragma unroll
+    for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int key = warp * 16 + (lane >> 2) + 8 * r;
+        *reinterpret_cast<uint32_t*>(sdS + key * kStrideS + i * 8 + 2 * (lane & 3)) =
+            pack_bf16(dpt[i][2 * r], dpt[i][2 * r + 1]);
+      }
+    __syncthreads();
+
+    // dQ_partial [kBM, d] = dS [kBM, kBN] K [kBN, d]; warp (wm, wn) owns rows
+    // 16 wm..+15 and columns kDqCols wn..+kDqCols. A = dS from dS^T by
+    // ldmatrix.trans (matrices: keys 0-7 / queries 0-7, keys 0-7 / queries 8-15,
+    // keys 8-15 / queries 0-7, keys 8-15 / queries 8-15), B = K by .trans.
+    float acc_dq[kDqCols / 8][4];
+#pragma unroll
+    for (int i = 0; i < kDqCols / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, sdS + 16 * kk * kStrideS + lane_off_n16(lane, kStrideS) + wm * 16);
+#pragma unroll
+      for (int j = 0; j < kDqCols / 16; ++j) {
+        uint32_t kb[4];
+        ldmatrix_x4_trans(kb, sK + 16 * kk * kStride + lane_off_m16(lane, kStride) + wn * kDqCols + 16 * j);
+        mma_bf16(acc_dq[2 * j], a, kb[0], kb[1]);
+        mma_bf16(acc_dq[2 * j + 1], a, kb[2], kb[3]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + wm * 16 + (lane >> 2) + 8 * r;
+      if (row < len_q) {
+        float* dst = dq_acc + int64_t(row) * q_stride + h * kD + wn * kDqCols + 2 * (lane & 3);
+#pragma unroll
+        for (int i = 0; i < kDqCols / 8; ++i)
+          atomicAdd(reinterpret_cast<float2*>(dst + i * 8), make_float2(acc_dq[i][2 * r], acc_dq[i][2 * r + 1]));
+      }
+    }
+    // Buffer buf ^ 1's lse and D were last read in step it - 1, before the
+    // barrier above; the barrier below orders these stores before step it + 1.
+    if (it + 1 < n_iter) store_row_stats(buf ^ 1, next_lse, next_dlt);
+    __syncthreads();  // sdS and this buffer are free again
+  }
+  cp_async_wait<0>();
+
+  // dK = scale * dS^T Q summed, dV = P^T dO summed; keys past the sequence are
+  // not written. Keys no row sees get zeros.
+  bf16* gdK = static_cast<bf16*>(bp.dk) + int64_t(k0 + key0) * kv_stride + hk * kD;
+  bf16* gdV = static_cast<bf16*>(bp.dv) + int64_t(k0 + key0) * kv_stride + hk * kD;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = warp * 16 + (lane >> 2) + 8 * r;
+    if (key < keys_here) {
+#pragma unroll
+      for (int i = 0; i < kD / 8; ++i) {
+        const int64_t off = int64_t(key) * kv_stride + i * 8 + 2 * (lane & 3);
+        *reinterpret_cast<uint32_t*>(gdK + off) =
+            pack_bf16(acc_dk[i][2 * r] * p.softmax_scale, acc_dk[i][2 * r + 1] * p.softmax_scale);
+        *reinterpret_cast<uint32_t*>(gdV + off) = pack_bf16(acc_dv[i][2 * r], acc_dv[i][2 * r + 1]);
+      }
+    }
+  }
+}
+
+#if !defined(SLIME_ATTENTION_EMULATION)
+template <class Cfg, class Mask>
+void launch_backward_main(const AttentionBackwardParams& bp, cudaStream_t stream) {
+  auto kernel = attention_bwd_kernel<Cfg, Mask>;
+  SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  const AttentionForwardParams& p = bp.fwd;
+  const dim3 grid(unsigned((p.max_seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN), unsigned(p.num_seqs),
+                  unsigned(p.heads_kv));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(bp);
+  SLIME_CUDA_CHECK_LAUNCH();
+}
+
+// Zero the dq accumulator, D = rowsum(do * o), the main kernel, then dq.
+template <int kD>
+void backward_launch(const AttentionBackwardParams& bp, cudaStream_t stream) {
+  const AttentionForwardParams& p = bp.fwd;
+  const int64_t rows = int64_t(p.tokens_q) * p.heads_q;
+  const int64_t n = rows * kD;
+  if (p.num_seqs == 0 || p.heads_q == 0) return;
+  if (n > 0) {
+    SLIME_CUDA_CHECK(cudaMemsetAsync(bp.workspace, 0, std::size_t(n) * sizeof(float), stream));
+    constexpr int kThreads = 256;
+    const int64_t blocks = (rows * (kD / 8) + kThreads - 1) / kThreads;
+    attention_bwd_preprocess_kernel<kD><<<unsigned(blocks), kThreads, 0, stream>>>(
+        static_cast<const bf16*>(p.o), static_cast<const bf16*>(bp.d_o), bp.workspace + n, rows);
+    SLIME_CUDA_CHECK_LAUNCH();
+  }
+  if (p.max_seqlen_k > 0 && p.tokens_k > 0) {
+    if (p.options.causal) {
+      launch_backward_main<BwdConfig<kD>, CausalMask>(bp, stream);
+    } else {
+      launch_backward_main<BwdConfig<kD>, FullMask>(bp, stream);
+    }
+  }
+  if (n > 0) {
+    constexpr int kThreads = 256;
+    const int64_t blocks = std::min<int64_t>((n / 4 + kThreads - 1) / kThreads, 132 * 16);
+    attention_bwd_dq_kernel<kD>
+        <<<unsigned(blocks), kThreads, 0, stream>>>(bp.workspace, static_cast<bf16*>(bp.dq), n, p.softmax_scale);
+    SLIME_CUDA_CHECK_LAUNCH();
+  }
+}
+
+#endif  // !SLIME_ATTENTION_EMULATION
+
+}  // namespace slime::ops::cuda::attention_impl
+
+#if !defined(SLIME_ATTENTION_EMULATION)
+namespace slime::ops::cuda::detail {
+// Defined here, explicitly instantiated once per head dim in
+// attention_{fwd,bwd}_hd<D>.cu; src/ops/attention.cu dispatches to them.
+template <int kHeadDim>
+void attention_forward_launch(const AttentionForwardParams& p, StreamHandle stream) {
+  attention_impl::forward_launch<kHeadDim>(p, stream);
+}
+template <int kHeadDim>
+void attention_backward_launch(const AttentionBackwardParams& p, StreamHandle stream) {
+  attention_impl::backward_launch<kHeadDim>(p, stream);
+}
+}  // namespace slime::ops::cuda::detail
+#endif  // !SLIME_ATTENTION_EMULATION

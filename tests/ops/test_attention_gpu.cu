@@ -1,0 +1,249 @@
+// Attention on CUDA (bf16, head_dim 64 and 128) against the CPU reference run
+// in f32 on the same bf16-rounded inputs, on fresh random inputs with odd,
+// packed sequence lengths; outputs and workspace poisoned (0xff = NaN) before
+// every call so that an unwritten element fails the comparison.
+//
+// Tolerances, relative error ||gpu - ref|| / ||ref||:
+//   o <= 1e-2: q k^T is exact in both (bf16 products, fp32 sums); the kernel
+//     rounds P to bf16 before P v (2^-9 relative per term, averaging out over
+//     the keys) and rounds o to bf16 (2^-9): about 3e-3 expected.
+//   lse: max |gpu - ref| <= 1e-3 (fp32 on both sides, exp2/log2 of the
+//     hardware, different summation order), and -inf exactly where ref is.
+//   dq, dk, dv <= 2e-2: the backward is checked on the GPU's own o and lse
+//     (so it is isolated from the forward); P and dS are rounded to bf16
+//     before the four products that use them and the results to bf16, and
+//     dS = P (dP - D) cancels: about 5e-3 expected.
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "slime/core/random.hpp"
+#include "slime/ops/attention.hpp"
+
+using namespace slime;
+using namespace slime::ops;
+using Catch::Matchers::ContainsSubstring;
+
+namespace {
+
+std::vector<int32_t> prefix(const std::vector<int32_t>& lens) {
+  std::vector<int32_t> cu{0};
+  for (int32_t l : lens) cu.push_back(cu.back() + l);
+  return cu;
+}
+
+std::vector<float> host_floats(const Tensor& t) {
+  if (t.dtype() == DType::f32) return t.to_vector<float>();
+  std::vector<float> out;
+  for (BFloat16 h : t.to_vector<BFloat16>()) out.push_back(float(h));
+  return out;
+}
+
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double d = double(a[i]) - double(b[i]);
+    num += d * d;
+    den += double(b[i]) * double(b[i]);
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+// max |a - b|, infinite when a row is -inf on one side only or NaN anywhere.
+double lse_err(const std::vector<float>& a, const std::vector<float>& b) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  double e = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) return std::numeric_limits<double>::infinity();
+    if (a[i] == kNegInf || b[i] == kNegInf) {
+      if (a[i] != b[i]) return std::numeric_limits<double>::infinity();
+      continue;
+    }
+    e = std::max(e, std::abs(double(a[i]) - double(b[i])));
+  }
+  return e;
+}
+
+Tensor random_bf16(const Shape& shape, uint64_t seed, Device dev) {
+  Tensor t = Tensor::empty(shape, DType::bf16, dev);
+  fill_normal(t, seed, 0, 0.f, 1.f);
+  return t;
+}
+
+struct Case {
+  std::string name;
+  std::vector<int32_t> lens_q, lens_k;
+  int64_t hq, hkv;
+  AttentionOptions opt;
+  int64_t extra_max = 0;  // max_seqlen passed = longest + extra_max (-1: computed by the call)
+};
+
+std::vector<Case> cases() {
+  const std::vector<int32_t> odd = {1, 17, 127, 577};
+  std::vector<Case> c;
+  c.push_back({"causal self-attention", odd, odd, 8, 2, AttentionOptions{}});
+  AttentionOptions o;
+  o.causal = false;
+  c.push_back({"full self-attention", odd, odd, 8, 2, o});
+  o = AttentionOptions{};
+  o.causal_offset = 37;
+  c.push_back({"causal offset 37", odd, odd, 8, 2, o, 100});
+  o.causal_offset = -50;  // the first 50 rows of each sequence see no key
+  c.push_back({"causal offset -50", {3, 60, 130, 211}, {3, 60, 130, 211}, 8, 2, o});
+  o = AttentionOptions{};
+  o.align = CausalAlign::bottom_right;
+  c.push_back({"causal bottom-right, fewer queries", {1, 17, 127, 200}, {5, 17, 300, 577}, 8, 2, o, -1});
+  o = AttentionOptions{};
+  c.push_back({"causal top-left, more queries", {130, 1, 64, 0, 77}, {65, 3, 129, 9, 0}, 4, 4, o});
+  o.causal = false;
+  o.softmax_scale = 0.05f;
+  c.push_back({"full, scale 0.05, MHA", {333, 0, 45}, {200, 31, 0}, 2, 2, o});
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("attention on CUDA matches the CPU reference", "[ops][attention][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device dev = Device::cuda(0);
+  uint64_t seed = 1000;
+  for (int64_t d : {64, 128}) {
+    for (const Case& c : cases()) {
+      INFO("head_dim " << d << ", " << c.name);
+      seed += 10;
+      const std::vector<int32_t> cu_q = prefix(c.lens_q), cu_k = prefix(c.lens_k);
+      const int64_t B = int64_t(c.lens_q.size()), T = cu_q.back(), Tk = cu_k.back();
+      int64_t max_q = 0, max_k = 0;
+      for (int32_t l : c.lens_q) max_q = std::max<int64_t>(max_q, l);
+      for (int32_t l : c.lens_k) max_k = std::max<int64_t>(max_k, l);
+      if (c.extra_max < 0) {
+        max_q = max_k = -1;
+      } else {
+        max_q += c.extra_max;
+        max_k += c.extra_max;
+      }
+      const Tensor q = random_bf16({T, c.hq, d}, seed, dev);
+      const Tensor k = random_bf16({Tk, c.hkv, d}, seed + 1, dev);
+      const Tensor v = random_bf16({Tk, c.hkv, d}, seed + 2, dev);
+      const Tensor d_o = random_bf16({T, c.hq, d}, seed + 3, dev);
+      const Tensor tcq = Tensor::from_vector(cu_q, {B + 1}, dev);
+      const Tensor tck = Tensor::from_vector(cu_k, {B + 1}, dev);
+      Tensor o = Tensor::empty({T, c.hq, d}, DType::bf16, dev), lse = Tensor::empty({T, c.hq}, DType::f32, dev);
+      Tensor dq = Tensor::empty(q.shape(), DType::bf16, dev);
+      Tensor dk = Tensor::empty(k.shape(), DType::bf16, dev), dv = Tensor::empty(k.shape(), DType::bf16, dev);
+      Tensor ws = Tensor::empty({attention_backward_workspace_elems(q)}, DType::f32, dev);
+      for (Tensor* t : {&o, &lse, &dq, &dk, &dv, &ws}) t->fill_bytes_(0xff);
+
+      attention_forward(q, k, v, tcq, tck, max_q, max_k, o, lse, c.opt);
+      attention_backward(q, k, v, o, lse, d_o, tcq, tck, max_q, max_k, dq, dk, dv, c.opt, ws);
+
+      const std::vector<float> hq = host_floats(q), hk = host_floats(k), hv = host_floats(v), hdo = host_floats(d_o);
+      const std::vector<float> go = host_floats(o), glse = host_floats(lse);
+      std::vector<float> ro(hq.size()), rlse(glse.size());
+      cpu::attention_forward(hq.data(), hk.data(), hv.data(), cu_q.data(), cu_k.data(), B, c.hq, c.hkv, d, c.opt,
+                             ro.data(), rlse.data());
+      CHECK(rel_err(go, ro) <= 1e-2);
+      CHECK(lse_err(glse, rlse) <= 1e-3);
+
+      std::vector<float> rdq(hq.size()), rdk(hk.size()), rdv(hv.size());
+      cpu::attention_backward(hq.data(), hk.data(), hv.data(), go.data(), glse.data(), hdo.data(), cu_q.data(),
+                              cu_k.data(), B, c.hq, c.hkv, d, c.opt, rdq.data(), rdk.data(), rdv.data());
+      CHECK(rel_err(host_floats(dq), rdq) <= 2e-2);
+      CHECK(rel_err(host_floats(dk), rdk) <= 2e-2);
+      CHECK(rel_err(host_floats(dv), rdv) <= 2e-2);
+    }
+  }
+}
+
+TEST_CASE("attention on CUDA: o, lse, dk and dv are bitwise run-to-run deterministic", "[ops][attention][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device dev = Device::cuda(0);
+  const std::vector<int32_t> cu = prefix({300, 1, 555});
+  const Tensor tcu = Tensor::from_vector(cu, {4}, dev);
+  const int64_t T = cu.back();
+  const Tensor q = random_bf16({T, 8, 128}, 7, dev), k = random_bf16({T, 2, 128}, 8, dev);
+  const Tensor v = random_bf16({T, 2, 128}, 9, dev), d_o = random_bf16({T, 8, 128}, 10, dev);
+  auto run = [&](std::vector<Tensor>& out) {
+    out = {Tensor::empty(q.shape(), DType::bf16, dev), Tensor::empty({T, 8}, DType::f32, dev),
+           Tensor::empty(q.shape(), DType::bf16, dev), Tensor::empty(k.shape(), DType::bf16, dev),
+           Tensor::empty(k.shape(), DType::bf16, dev)};
+    for (Tensor& t : out) t.fill_bytes_(0xff);
+    attention_forward(q, k, v, tcu, tcu, 555, 555, out[0], out[1]);
+    attention_backward(q, k, v, out[0], out[1], d_o, tcu, tcu, 555, 555, out[2], out[3], out[4]);
+  };
+  std::vector<Tensor> a, b;
+  run(a);
+  run(b);
+  auto bytes = [](const Tensor& t) {
+    std::vector<uint8_t> x(t.nbytes());
+    const Tensor h = t.to(Device::cpu());
+    std::memcpy(x.data(), h.data_ptr(), x.size());
+    return x;
+  };
+  CHECK(bytes(a[0]) == bytes(b[0]));  // o
+  CHECK(bytes(a[1]) == bytes(b[1]));  // lse
+  CHECK(bytes(a[3]) == bytes(b[3]));  // dk
+  CHECK(bytes(a[4]) == bytes(b[4]));  // dv
+  // dq sums key blocks with fp32 atomics: equal up to rounding only.
+  CHECK(rel_err(host_floats(a[2]), host_floats(b[2])) <= 1e-2);
+}
+
+TEST_CASE("merge_attention_partials on CUDA matches the CPU", "[ops][attention][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device dev = Device::cuda(0);
+  const int64_t T = 37, H = 3, d = 100;  // head_dim not a multiple of 32
+  for (DType t1 : {DType::bf16, DType::f32}) {
+    for (DType to : {DType::bf16, DType::f32}) {
+      INFO(dtype_name(t1) << " + bf16 -> " << dtype_name(to));
+      Tensor o1 = Tensor::empty({T, H, d}, t1, dev);
+      fill_normal(o1, 1, 0, 0.f, 1.f);
+      const Tensor o2 = random_bf16({T, H, d}, 2, dev);
+      Tensor l1 = Tensor::empty({T, H}, DType::f32, dev), l2 = Tensor::empty({T, H}, DType::f32, dev);
+      fill_uniform(l1, 3, 0, -5.f, 5.f);
+      fill_uniform(l2, 4, 0, -5.f, 5.f);
+      // Some rows see no key in one part or in both (lse = -inf; o = 0 there).
+      std::vector<float> hl1 = l1.to_vector<float>(), hl2 = l2.to_vector<float>();
+      const float ninf = -std::numeric_limits<float>::infinity();
+      for (int64_t r = 0; r < T * H; r += 5) hl1[std::size_t(r)] = ninf;
+      for (int64_t r = 0; r < T * H; r += 7) hl2[std::size_t(r)] = ninf;
+      l1.copy_from(Tensor::from_vector(hl1, {T, H}));
+      l2.copy_from(Tensor::from_vector(hl2, {T, H}));
+      Tensor o = Tensor::empty({T, H, d}, to, dev), lse = Tensor::empty({T, H}, DType::f32, dev);
+      o.fill_bytes_(0xff);
+      lse.fill_bytes_(0xff);
+      merge_attention_partials(o1, l1, o2, l2, o, lse);
+
+      const std::vector<float> h1 = host_floats(o1), h2 = host_floats(o2);
+      std::vector<float> ro(h1.size()), rl(hl1.size());
+      cpu::merge_attention_partials(h1.data(), hl1.data(), h2.data(), hl2.data(), T * H, d, ro.data(), rl.data());
+      CHECK(rel_err(host_floats(o), ro) <= (to == DType::bf16 ? 1e-2 : 1e-5));
+      CHECK(lse_err(host_floats(lse), rl) <= 1e-5);
+
+      // In place into (o1, l1).
+      merge_attention_partials(o1, l1, o2, l2, o1, l1);
+      CHECK(rel_err(host_floats(o1), ro) <= (t1 == DType::bf16 ? 1e-2 : 1e-5));
+      CHECK(lse_err(host_floats(l1), rl) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("attention on CUDA rejects what the kernels do not support", "[ops][attention][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device dev = Device::cuda(0);
+  const Tensor cu = Tensor::from_vector(std::vector<int32_t>{0, 9}, {2}, dev);
+  auto run = [&](int64_t d, DType dt, int64_t offset_elems) {
+    const Tensor base = Tensor::zeros({9 * 2 * d + offset_elems}, dt, dev);
+    const Tensor q = base.view(offset_elems, {9, 2, d});
+    const Tensor o = Tensor::empty({9, 2, d}, dt, dev), lse = Tensor::empty({9, 2}, DType::f32, dev);
+    attention_forward(q, q, q, cu, cu, 9, 9, o, lse);
+  };
+  CHECK_NOTHROW(run(64, DType::bf16, 0));
+  CHECK_THROWS_WITH(run(96, DType::bf16, 0), ContainsSubstring("supports head_dim 64 and 128, got 96"));
+  CHECK_THROWS_WITH(run(64, DType::f32, 0), ContainsSubstring("needs bf16"));
+  CHECK_THROWS_WITH(run(64, DType::bf16, 1), ContainsSubstring("16-byte aligned"));
+}
