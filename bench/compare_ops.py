@@ -59,9 +59,11 @@ def load_slime(path):
 
 
 def rate(row):
-    for key in ("TFLOPS", "tflops", "TFLOP/s", "GBps", "gbps", "GB/s", "busbw_GBps"):
-        if key in row:
-            return f"{row[key]:.1f} {key}"
+    # Prefer a FLOP rate (matrix work), then a byte rate (memory-bound work).
+    for want in ("tflops", "tflop/s", "gbps", "gb/s", "busbw_gbps"):
+        for key, value in row.items():
+            if key.lower() == want and isinstance(value, (int, float)):
+                return f"{value:.1f} {key}"
     return ""
 
 

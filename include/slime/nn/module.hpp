@@ -1,0 +1,128 @@
+// slime/nn/module.hpp: what every slime::nn module shares: Parameter (a value
+// with its Hugging Face name and an fp32 gradient), the forward/backward
+// contract, and small helpers for allocation and argument checks.
+//
+// Contract of every module (no autograd engine, llm.c style):
+//   - A module is a plain struct of Parameters and sub-modules, and exposes
+//     `template <class F> void for_each_parameter(F&& f)` calling f(Parameter&)
+//     for every parameter it owns, in a fixed order, with HF names.
+//   - `forward(x, ctx, stream)` returns a new output tensor and saves what the
+//     backward needs in `ctx` (a plain struct of tensors, one per call: keep
+//     one context per micro-batch in flight).
+//   - `backward(ctx, dy, stream)` reads the context and returns the gradient of
+//     the input (activation gradients are WRITTEN, `=`, into new tensors), and
+//     ACCUMULATES (`+=`) the parameter gradients into `Parameter::grad`, fp32,
+//     allocated and zeroed on first use. Call zero_grad() before the first
+//     micro-batch of a step; several backwards in a row sum their gradients.
+//   - Weights and activations share the module's dtype: f32 (CPU reference) or
+//     bf16 (GPU); RMSNorm statistics, softmax, logits and gradients are fp32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include "slime/core/dtype.hpp"
+#include "slime/core/error.hpp"
+#include "slime/core/random.hpp"
+#include "slime/core/stream.hpp"
+#include "slime/core/tensor.hpp"
+
+namespace slime::nn {
+
+// How init_random fills a parameter: N(0, std) for projections and
+// embeddings, ones for norm weights (as transformers initialises them).
+enum class ParamInit : uint8_t { normal, ones };
+
+// One trainable tensor: `value` in the module's dtype, `grad` fp32 of the same
+// shape on the same device (undefined until ensure_grad / zero_grad).
+struct Parameter {
+  std::string name;  // Hugging Face name, e.g. "model.layers.0.mlp.up_proj.weight"
+  Tensor value;
+  Tensor grad;
+  ParamInit init = ParamInit::normal;
+
+  // Allocates a zero gradient when there is none; returns it.
+  Tensor& ensure_grad(const Stream& stream = {}) {
+    SLIME_CHECK(value.defined(), "parameter '", name, "' has no value");
+    if (!grad.defined()) grad = Tensor::zeros(value.shape(), DType::f32, value.device(), stream);
+    return grad;
+  }
+  // Sets the gradient to zero (allocating it when needed).
+  void zero_grad(const Stream& stream = {}) {
+    if (grad.defined()) {
+      grad.zero_(stream);
+    } else {
+      ensure_grad(stream);
+    }
+  }
+};
+
+// Where a module lives and in which dtype its weights and activations are.
+struct ModuleOptions {
+  Device device = Device::cpu();
+  DType dtype = DType::f32;
+};
+
+namespace detail {
+
+inline void check_module_options(const ModuleOptions& o, std::string_view what) {
+  SLIME_CHECK(o.dtype == DType::f32 || o.dtype == DType::bf16, what, ": dtype must be f32 or bf16, got ",
+              dtype_name(o.dtype));
+  check_device_exists(o.device);
+}
+
+// An activation argument: defined, the module's dtype and device, last extent
+// `features` (when >= 0).
+inline void check_activation(const Tensor& t, const ModuleOptions& o, int64_t features, std::string_view what) {
+  SLIME_CHECK(t.defined(), what, " is undefined");
+  SLIME_CHECK(t.dtype() == o.dtype, what, " must be ", dtype_name(o.dtype), " (the module's dtype), got ", t.str());
+  SLIME_CHECK(t.device() == o.device, what, " must be on ", o.device, " (the module's device), got ", t.str());
+  SLIME_CHECK(t.dim() >= 1, what, " must have at least 1 dim, got ", t.str());
+  if (features >= 0) SLIME_CHECK(t.size(-1) == features, what, " must have last extent ", features, ", got ", t.str());
+}
+
+// A byte buffer that grows on demand and is reused across calls (workspaces
+// of the GPU backward ops). Empty when `bytes` is 0.
+inline const Tensor& scratch_bytes(Tensor& cache, std::size_t bytes, Device device, const Stream& stream) {
+  if (bytes == 0) return cache;
+  if (!cache.defined() || cache.nbytes() < bytes || cache.device() != device)
+    cache = Tensor::empty({int64_t((bytes + 255) / 256 * 256)}, DType::u8, device, stream);
+  return cache;
+}
+
+}  // namespace detail
+
+// Zeroes (allocating when needed) every parameter gradient of `module`.
+template <class M>
+void zero_grad(M& module, const Stream& stream = {}) {
+  module.for_each_parameter([&](Parameter& p) { p.zero_grad(stream); });
+}
+
+// Number of parameter elements of `module`.
+template <class M>
+int64_t num_parameters(M& module) {
+  int64_t n = 0;
+  module.for_each_parameter([&](Parameter& p) { n += p.value.numel(); });
+  return n;
+}
+
+// Fills every parameter of `module` in visiting order: ParamInit::normal with
+// N(0, std) drawn from the counter-based stream `seed` at consecutive offsets
+// (so the values do not depend on the device), ParamInit::ones with 1.
+template <class M>
+void init_parameters(M& module, uint64_t seed, float std = 0.02f, const Stream& stream = {}) {
+  uint64_t offset = 0;
+  module.for_each_parameter([&](Parameter& p) {
+    if (p.init == ParamInit::ones) {
+      fill_uniform(p.value, seed, offset, 1.f, 1.f, stream);  // low = high = 1: exactly 1
+    } else {
+      fill_normal(p.value, seed, offset, 0.f, std, stream);
+    }
+    offset += uint64_t(p.value.numel());
+  });
+}
+
+}  // namespace slime::nn

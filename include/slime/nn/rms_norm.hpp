@@ -1,0 +1,70 @@
+// slime/nn/rms_norm.hpp: RMSNorm over the last dim as a module (Qwen3's
+// input/post-attention/final norms, and q_norm / k_norm over head_dim).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "slime/nn/module.hpp"
+#include "slime/ops/rms_norm.hpp"
+
+namespace slime::nn {
+
+struct RMSNorm {
+  struct Context {
+    Tensor x;     // [..., dim]
+    Tensor rstd;  // f32, one per row
+  };
+
+  ModuleOptions options;
+  Parameter weight;  // [dim]
+  float eps = 1e-6f;
+
+  RMSNorm() = default;
+  // `prefix` is the HF module path, e.g. "model.norm".
+  RMSNorm(const std::string& prefix, int64_t dim, double epsilon, ModuleOptions opt)
+      : options(opt), eps(float(epsilon)) {
+    detail::check_module_options(opt, prefix);
+    SLIME_CHECK(dim > 0, prefix, ": dim must be positive, got ", dim);
+    SLIME_CHECK(epsilon >= 0, prefix, ": eps must be >= 0, got ", epsilon);
+    weight.name = prefix + ".weight";
+    weight.value = Tensor::empty({dim}, opt.dtype, opt.device);
+    weight.init = ParamInit::ones;
+  }
+
+  int64_t dim() const { return weight.value.size(0); }
+
+  template <class F>
+  void for_each_parameter(F&& f) {
+    f(weight);
+  }
+
+  // y = x * rsqrt(mean(x^2) + eps) * weight over the last dim of x [..., dim].
+  Tensor forward(const Tensor& x, Context& ctx, const Stream& stream = {}) {
+    detail::check_activation(x, options, dim(), weight.name + ": x");
+    Tensor y = Tensor::empty(x.shape(), options.dtype, options.device, stream);
+    ctx.rstd = Tensor::empty({x.numel() / dim()}, DType::f32, options.device, stream);
+    ops::rms_norm_forward(x, weight.value, eps, y, ctx.rstd, stream);
+    ctx.x = x;
+    return y;
+  }
+
+  // dx written; weight.grad += sum over rows of dy * x * rstd. `dy` may be
+  // overwritten when `dy_is_scratch` (dx then reuses its memory).
+  Tensor backward(const Context& ctx, const Tensor& dy, const Stream& stream = {}, bool dy_is_scratch = false) {
+    detail::check_activation(dy, options, dim(), weight.name + ": dy");
+    Tensor dx = dy_is_scratch ? dy : Tensor::empty(ctx.x.shape(), options.dtype, options.device, stream);
+    const int64_t rows = ctx.x.numel() / dim();
+    const Tensor& ws = detail::scratch_bytes(
+        workspace_, options.device.is_cuda() ? ops::rms_norm_backward_workspace_bytes(rows, dim()) : 0, options.device,
+        stream);
+    ops::rms_norm_backward(ctx.x, weight.value, ctx.rstd, dy, dx, weight.ensure_grad(stream), ws, stream);
+    return dx;
+  }
+
+ private:
+  Tensor workspace_;
+};
+
+}  // namespace slime::nn
