@@ -46,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "slime/comm/nccl_comm.hpp"
 #include "slime/core/half.hpp"
 #include "slime/core/stream.hpp"
@@ -56,7 +57,6 @@ namespace {
 using slime::BFloat16;
 using slime::Device;
 using slime::DType;
-using slime::Event;
 using slime::Shape;
 using slime::Stream;
 using slime::Tensor;
@@ -262,49 +262,21 @@ void run_collective(benchmark::State& state, Op op) {
     state.SkipWithError(("creating the NCCL communicators failed: " + R.error).c_str());
     return;
   }
-  try {
+  slime::bench::run_or_skip(state, [&] {
     Buffers b = make_buffers(R, op, bytes);
     // The first run of each (op, bytes) is checked; its verdict holds for the
     // later repetitions too.
     static std::map<std::pair<int, int64_t>, std::string> verdicts;
     const auto id = std::make_pair(int(op), bytes);
-    if (verdicts.find(id) == verdicts.end()) verdicts[id] = check_once(R, op, b);
-    if (!verdicts[id].empty()) {
-      state.SkipWithError(verdicts[id].c_str());
-      return;
-    }
-    for (int i = 0; i < kWarmup; ++i) launch(R, op, b);
-    synchronize(R);
-
-    std::vector<Event> start, stop;
-    for (int r = 0; r < kRanks; ++r) {
-      start.emplace_back(Device::cuda(r));
-      stop.emplace_back(Device::cuda(r));
-    }
-    double seconds = 0;
-    int64_t collectives = 0;
-    for (auto _ : state) {
-      for (int r = 0; r < kRanks; ++r) start[std::size_t(r)].record(R.streams[std::size_t(r)]);
-      for (int i = 0; i < kBatch; ++i) launch(R, op, b);
-      for (int r = 0; r < kRanks; ++r) stop[std::size_t(r)].record(R.streams[std::size_t(r)]);
-      double ms = 0;
-      for (int r = 0; r < kRanks; ++r) {
-        stop[std::size_t(r)].synchronize();
-        ms = std::max(ms, double(Event::elapsed_ms(start[std::size_t(r)], stop[std::size_t(r)])));
-      }
-      state.SetIterationTime(ms * 1e-3 / kBatch);
-      seconds += ms * 1e-3;
-      collectives += kBatch;
-    }
-    const double t = seconds / double(std::max<int64_t>(collectives, 1));
-    const double algbw = t > 0 ? double(bytes) / t / 1e9 : 0.0;
+    if (!slime::bench::passed_check(state, verdicts, id, [&] { return check_once(R, op, b); })) return;
+    // Every rank's stream is timed; the slower rank's time is the iteration's.
+    const double t = slime::bench::time_batches(state, R.streams, kWarmup, kBatch, [&] { launch(R, op, b); });
+    const double algbw = slime::bench::per_second(double(bytes), t, 1e9);
     state.counters["bytes"] = double(bytes);
     state.counters["algbw_GBps"] = algbw;
     state.counters["busbw_GBps"] = algbw * double(kRanks - 1) / double(kRanks);
     state.counters["ranks"] = kRanks;
-  } catch (const std::exception& e) {
-    state.SkipWithError(e.what());
-  }
+  });
 }
 
 }  // namespace
@@ -312,32 +284,28 @@ void run_collective(benchmark::State& state, Op op) {
 int main(int argc, char** argv) {
   // Never NVLink multicast (shared hosts); an explicit setting is left alone.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  try {
-    benchmark::AddCustomContext("nccl_version", NcclComm::nccl_version());
-  } catch (const std::exception& e) {
-    benchmark::AddCustomContext("nccl_version", std::string("unknown: ") + e.what());
-  }
-  benchmark::AddCustomContext("dtype", "bf16");
-  benchmark::AddCustomContext("ranks", std::to_string(kRanks));
-  benchmark::AddCustomContext("NCCL_NVLS_ENABLE", std::getenv("NCCL_NVLS_ENABLE"));
 
   const std::pair<const char*, Op> ops[] = {
       {"all_gather", Op::all_gather}, {"reduce_scatter", Op::reduce_scatter}, {"all_to_all", Op::all_to_all}};
   for (const auto& [name, op] : ops) {
     const Op which = op;
-    benchmark::RegisterBenchmark(name, [which](benchmark::State& state) { run_collective(state, which); })
+    slime::bench::register_manual(
+        name, [which](benchmark::State& state) { run_collective(state, which); }, benchmark::kMicrosecond, kIterations,
+        kRepetitions)
         ->RangeMultiplier(4)
         ->Range(kMinBytes, kMaxBytes)
-        ->UseManualTime()
-        ->Unit(benchmark::kMicrosecond)
-        ->Iterations(kIterations)
-        ->Repetitions(kRepetitions)
         ->DisplayAggregatesOnly(true);
   }
-  benchmark::RunSpecifiedBenchmarks();
+  const int rc = slime::bench::run_benchmarks(argc, argv, [] {
+    try {
+      benchmark::AddCustomContext("nccl_version", NcclComm::nccl_version());
+    } catch (const std::exception& e) {
+      benchmark::AddCustomContext("nccl_version", std::string("unknown: ") + e.what());
+    }
+    benchmark::AddCustomContext("dtype", "bf16");
+    benchmark::AddCustomContext("ranks", std::to_string(kRanks));
+    benchmark::AddCustomContext("NCCL_NVLS_ENABLE", std::getenv("NCCL_NVLS_ENABLE"));
+  });
   g_ranks.reset();  // ncclCommDestroy before static destruction and CUDA teardown
-  benchmark::Shutdown();
-  return 0;
+  return rc;
 }

@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "slime/core/half.hpp"
 #include "slime/core/random.hpp"
 #include "slime/core/stream.hpp"
@@ -108,7 +109,7 @@ double copy_seconds(std::size_t bytes, const Stream& s) {
   auto copy = [&] {
     SLIME_CUDA_CHECK(cudaMemcpyAsync(b.data_ptr(), a.data_ptr(), bytes, cudaMemcpyDeviceToDevice, s.handle()));
   };
-  for (int i = 0; i < kWarmup; ++i) copy();
+  slime::bench::warm_up(s, kWarmup, copy);
   Event start(gpu()), stop(gpu());
   std::vector<double> times;
   for (int r = 0; r < kCopyReps; ++r) {
@@ -123,47 +124,24 @@ double copy_seconds(std::size_t bytes, const Stream& s) {
 }
 
 void run_case(benchmark::State& state, const std::string& name, const std::function<Case(const Stream&)>& setup) {
-  if (slime::cuda_device_count() == 0) {
-    state.SkipWithError("no CUDA device");
-    return;
-  }
-  try {
+  if (slime::bench::skip_without_cuda(state)) return;
+  slime::bench::run_or_skip(state, [&] {
     static Stream stream = Stream::create(gpu());
     const Stream& s = stream;
     Case c = setup(s);
     static std::map<std::string, std::string> verdicts;
-    if (verdicts.find(name) == verdicts.end()) verdicts[name] = c.check ? c.check(s) : "";
-    if (!verdicts[name].empty()) {
-      state.SkipWithError(verdicts[name].c_str());
+    if (!slime::bench::passed_check(state, verdicts, name, [&] { return c.check ? c.check(s) : std::string(); }))
       return;
-    }
-    for (int i = 0; i < kWarmup; ++i) c.launch(s);
-    s.synchronize();
-    Event start(gpu()), stop(gpu());
-    double seconds = 0;
-    int64_t calls = 0;
-    for (auto _ : state) {
-      start.record(s);
-      for (int i = 0; i < kBatch; ++i) c.launch(s);
-      stop.record(s);
-      stop.synchronize();
-      const double ms = double(Event::elapsed_ms(start, stop));
-      state.SetIterationTime(ms * 1e-3 / kBatch);
-      seconds += ms * 1e-3;
-      calls += kBatch;
-    }
-    const double t = seconds / double(std::max<int64_t>(calls, 1));
+    const double t = slime::bench::time_batches(state, s, kWarmup, kBatch, [&] { c.launch(s); });
     const double copy_t = copy_seconds(static_cast<std::size_t>(c.bytes / 2), s);
-    const double gbps = t > 0 ? c.bytes / t / 1e9 : 0.0;
+    const double gbps = slime::bench::per_second(c.bytes, t, 1e9);
     const double copy_gbps = c.bytes / copy_t / 1e9;
     state.counters["bytes"] = c.bytes;
     state.counters["GBps"] = gbps;
     state.counters["copy_GBps"] = copy_gbps;
     state.counters["frac_of_copy"] = gbps / copy_gbps;
     s.synchronize();
-  } catch (const std::exception& e) {
-    state.SkipWithError(e.what());
-  }
+  });
 }
 
 // ---- cases ----
@@ -342,11 +320,9 @@ Case copy_case(const Stream& s, int64_t bytes) {
 }
 
 void add_benchmark(const std::string& name, std::function<Case(const Stream&)> setup) {
-  benchmark::RegisterBenchmark(name.c_str(), [name, setup](benchmark::State& st) { run_case(st, name, setup); })
-      ->UseManualTime()
-      ->Unit(benchmark::kMicrosecond)
-      ->Iterations(kIterations)
-      ->Repetitions(kRepetitions);
+  slime::bench::register_manual(
+      name, [name, setup](benchmark::State& st) { run_case(st, name, setup); }, benchmark::kMicrosecond, kIterations,
+      kRepetitions);
 }
 
 }  // namespace
@@ -366,9 +342,5 @@ int main(int argc, char** argv) {
   add_benchmark("add/" + std::to_string(kTokens) + "x4096/bf16", [](const Stream& s) { return add_case(s, 4096); });
   for (int64_t mib : {int64_t(128), int64_t(256), int64_t(512)})
     add_benchmark("copy/" + std::to_string(mib) + "MiB", [mib](const Stream& s) { return copy_case(s, mib << 20); });
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
+  return slime::bench::run_benchmarks(argc, argv);
 }

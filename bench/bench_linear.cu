@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "slime/core/half.hpp"
 #include "slime/core/random.hpp"
 #include "slime/core/stream.hpp"
@@ -43,7 +44,6 @@ namespace {
 using slime::BFloat16;
 using slime::Device;
 using slime::DType;
-using slime::Event;
 using slime::Stream;
 using slime::Tensor;
 
@@ -186,42 +186,15 @@ std::string check_once(Problem& p, Op op) {
 }
 
 void run_linear(benchmark::State& state, LinearShape s, Op op) {
-  if (slime::cuda_device_count() == 0) {
-    state.SkipWithError("no CUDA device");
-    return;
-  }
-  try {
+  if (slime::bench::skip_without_cuda(state)) return;
+  slime::bench::run_or_skip(state, [&] {
     Problem& p = problem(s);
     static std::map<std::string, std::string> verdicts;
     const std::string id = std::string(s.model) + s.proj + op_name(op);
-    if (verdicts.find(id) == verdicts.end()) verdicts[id] = check_once(p, op);
-    if (!verdicts[id].empty()) {
-      state.SkipWithError(verdicts[id].c_str());
-      return;
-    }
-    for (int i = 0; i < kWarmup; ++i) launch(p, op);
-    p.stream.synchronize();
-    Event start(p.stream.device()), stop(p.stream.device());
-    double seconds = 0;
-    int64_t gemms = 0;
-    for (auto _ : state) {
-      start.record(p.stream);
-      for (int i = 0; i < kBatch; ++i) launch(p, op);
-      stop.record(p.stream);
-      stop.synchronize();
-      const double ms = double(Event::elapsed_ms(start, stop));
-      state.SetIterationTime(ms * 1e-3 / kBatch);
-      seconds += ms * 1e-3;
-      gemms += kBatch;
-    }
-    const double t = seconds / double(std::max<int64_t>(gemms, 1));
-    state.counters["flop"] = flop(s);
-    state.counters["bytes"] = bytes(s, op);
-    state.counters["TFLOPs"] = t > 0 ? flop(s) / t / 1e12 : 0.0;
-    state.counters["GBps"] = t > 0 ? bytes(s, op) / t / 1e9 : 0.0;
-  } catch (const std::exception& e) {
-    state.SkipWithError(e.what());
-  }
+    if (!slime::bench::passed_check(state, verdicts, id, [&] { return check_once(p, op); })) return;
+    const double t = slime::bench::time_batches(state, p.stream, kWarmup, kBatch, [&] { launch(p, op); });
+    slime::bench::flop_byte_counters(state, t, flop(s), bytes(s, op));
+  });
 }
 
 }  // namespace
@@ -230,17 +203,12 @@ int main(int argc, char** argv) {
   for (const LinearShape& s : kShapes) {
     for (Op op : {Op::fwd, Op::dgrad, Op::wgrad}) {
       const std::string name = std::string("linear/") + s.model + "/" + s.proj + "/" + op_name(op);
-      benchmark::RegisterBenchmark(name.c_str(), [s, op](benchmark::State& st) { run_linear(st, s, op); })
-          ->UseManualTime()
-          ->Unit(benchmark::kMicrosecond)
-          ->Iterations(kIterations)
-          ->Repetitions(kRepetitions);
+      slime::bench::register_manual(
+          name, [s, op](benchmark::State& st) { run_linear(st, s, op); }, benchmark::kMicrosecond, kIterations,
+          kRepetitions);
     }
   }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
+  const int rc = slime::bench::run_benchmarks(argc, argv);
   g_problem.reset();
-  return 0;
+  return rc;
 }

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "rollout_lengths.hpp"
 #include "slime/data/packer.hpp"
 
@@ -64,10 +65,7 @@ void BM_Plan(benchmark::State& state) {
   c.pad_micro_batch_to = int(state.range(2));
   const testing::RolloutBatch& b = batch();
   PackPlan p = plan(c, b.lengths, b.group_index);
-  if (const std::string err = check(p, c, b.lengths.size()); !err.empty()) {
-    state.SkipWithError(err.c_str());
-    return;
-  }
+  if (slime::bench::skip_if_error(state, check(p, c, b.lengths.size()))) return;
   for (auto _ : state) {
     p = plan(c, b.lengths, b.group_index);
     benchmark::DoNotOptimize(p.steps.data());
@@ -166,4 +164,4 @@ BENCHMARK(BM_PackMicroBatches)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) { return slime::bench::run_benchmarks(argc, argv); }

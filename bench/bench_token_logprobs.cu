@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.hpp"
 #include "slime/core/half.hpp"
 #include "slime/core/memory.hpp"
 #include "slime/core/random.hpp"
@@ -52,7 +53,6 @@ namespace {
 using slime::BFloat16;
 using slime::Device;
 using slime::DType;
-using slime::Event;
 using slime::Stream;
 using slime::Tensor;
 
@@ -203,22 +203,15 @@ std::string check_once(Problem& p) {
 }
 
 void run_token_logprobs(benchmark::State& state, Shape s, Mode mode) {
-  if (slime::cuda_device_count() == 0) {
-    state.SkipWithError("no CUDA device");
-    return;
-  }
-  try {
+  if (slime::bench::skip_without_cuda(state)) return;
+  slime::bench::run_or_skip(state, [&] {
     Problem& p = problem(s);
     if (!p.checked) {
       p.verdict = check_once(p);
       p.checked = true;
     }
-    if (!p.verdict.empty()) {
-      state.SkipWithError(p.verdict.c_str());
-      return;
-    }
-    for (int i = 0; i < kWarmup; ++i) launch(p, mode);
-    p.stream.synchronize();
+    if (slime::bench::skip_if_error(state, p.verdict)) return;
+    slime::bench::warm_up(p.stream, kWarmup, [&] { launch(p, mode); });
 
     // Memory of one call: everything is allocated already, so the op's own
     // memory is the workspace plus anything it allocated during the call.
@@ -230,30 +223,12 @@ void run_token_logprobs(benchmark::State& state, Shape s, Mode mode) {
     const int64_t peak = slime::memory_stats(d).peak_bytes;
     const int64_t extra = peak - (before - int64_t(p.workspace.nbytes()));
 
-    Event start(d), stop(d);
-    double seconds = 0;
-    int64_t calls = 0;
-    for (auto _ : state) {
-      start.record(p.stream);
-      for (int i = 0; i < kBatch; ++i) launch(p, mode);
-      stop.record(p.stream);
-      stop.synchronize();
-      const double ms = double(Event::elapsed_ms(start, stop));
-      state.SetIterationTime(ms * 1e-3 / kBatch);
-      seconds += ms * 1e-3;
-      calls += kBatch;
-    }
-    const double t = seconds / double(std::max<int64_t>(calls, 1));
-    state.counters["flop"] = flop(s, mode);
-    state.counters["bytes"] = bytes(s, mode);
-    state.counters["TFLOPs"] = t > 0 ? flop(s, mode) / t / 1e12 : 0.0;
-    state.counters["GBps"] = t > 0 ? bytes(s, mode) / t / 1e9 : 0.0;
+    const double t = slime::bench::time_batches(state, p.stream, 0, kBatch, [&] { launch(p, mode); });
+    slime::bench::flop_byte_counters(state, t, flop(s, mode), bytes(s, mode));
     state.counters["peak_bytes"] = double(peak);
     state.counters["extra_bytes"] = double(extra);
     state.counters["workspace_bytes"] = double(p.workspace.nbytes());
-  } catch (const std::exception& e) {
-    state.SkipWithError(e.what());
-  }
+  });
 }
 
 }  // namespace
@@ -263,17 +238,12 @@ int main(int argc, char** argv) {
     for (Mode m : {Mode::fwd, Mode::fwd_bwd}) {
       const std::string name =
           "token_logprobs/T" + std::to_string(s.tokens) + "/D" + std::to_string(s.dim) + "/" + mode_name(m);
-      benchmark::RegisterBenchmark(name.c_str(), [s, m](benchmark::State& st) { run_token_logprobs(st, s, m); })
-          ->UseManualTime()
-          ->Unit(benchmark::kMillisecond)
-          ->Iterations(kIterations)
-          ->Repetitions(kRepetitions);
+      slime::bench::register_manual(
+          name, [s, m](benchmark::State& st) { run_token_logprobs(st, s, m); }, benchmark::kMillisecond, kIterations,
+          kRepetitions);
     }
   }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
+  const int rc = slime::bench::run_benchmarks(argc, argv);
   g_problem.reset();
-  return 0;
+  return rc;
 }

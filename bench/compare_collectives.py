@@ -15,8 +15,11 @@ passed, 1 otherwise (the table is printed either way). Standard library only.
 
 import argparse
 import json
-import statistics
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util  # noqa: E402  (bench/, beside this script)
 
 
 def human_bytes(n):
@@ -30,39 +33,19 @@ def load_slime(path):
     """{(op, bytes): {"busbw": float | None, "error": str | None}} from Google Benchmark's JSON."""
     with open(path) as f:
         doc = json.load(f)
-    runs = {}  # (op, bytes) -> {"median": x, "iterations": [...], "error": msg}
-    for b in doc.get("benchmarks", []):
-        # Only the runs and their median: the stddev and cv aggregates carry
-        # counters that are statistics too (their "bytes" is 0).
-        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
-            continue
-        run_name = b.get("run_name") or b.get("name", "")
-        parts = run_name.split("/")  # "all_gather/1048576/iterations:10/repeats:5/manual_time"
-        op = parts[0]
+    out = {}
+    # Only the runs and their median (the stddev and cv aggregates carry
+    # counters that are statistics too): bench_util.gbench_results.
+    for name, row in bench_util.gbench_results(doc).items():
+        parts = name.split("/")  # "all_gather/1048576"
         try:
             size = int(parts[1])
         except (IndexError, ValueError):
-            if b.get("bytes") is None:
+            if row.get("bytes") is None:
                 continue
-            size = int(b["bytes"])
-        entry = runs.setdefault((op, size), {"median": None, "iterations": [], "error": None})
-        if b.get("error_occurred") or b.get("skipped"):
-            entry["error"] = b.get("error_message") or b.get("skip_message") or "skipped"
-            continue
-        busbw = b.get("busbw_GBps")
-        if busbw is None:
-            continue
-        if b.get("run_type") == "aggregate":
-            if b.get("aggregate_name") == "median":
-                entry["median"] = float(busbw)
-        else:
-            entry["iterations"].append(float(busbw))
-    out = {}
-    for key, e in runs.items():
-        value = e["median"]
-        if value is None and e["iterations"]:
-            value = statistics.mean(e["iterations"])
-        out[key] = {"busbw": value, "error": e["error"]}
+            size = int(row["bytes"])
+        busbw = row.get("busbw_GBps")
+        out[(parts[0], size)] = {"busbw": None if busbw is None else float(busbw), "error": row.get("error")}
     return out, doc.get("context", {})
 
 

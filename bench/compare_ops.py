@@ -10,8 +10,12 @@ Benchmarks are matched by name after dropping Google Benchmark's suffixes
 """
 import argparse
 import json
+import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util  # noqa: E402  (bench/, beside this script)
 
 
 def load_torch(path):
@@ -31,33 +35,6 @@ def load_torch(path):
     return out
 
 
-def base_name(name):
-    name = re.sub(r"/(manual_time|real_time|process_time)$", "", name)
-    name = re.sub(r"/iterations:\d+", "", name)
-    name = re.sub(r"/repeats:\d+", "", name)
-    return name
-
-
-def load_slime(path):
-    data = json.load(open(path))
-    out = {}
-    for b in data.get("benchmarks", []):
-        if b.get("run_type") == "aggregate" and b.get("aggregate_name") != "median":
-            continue
-        if b.get("error_occurred"):
-            out[base_name(b.get("run_name", b["name"]))] = {"error": b.get("error_message", "error")}
-            continue
-        scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[b.get("time_unit", "ns")]
-        row = {"us": b["real_time"] * scale}
-        for k, v in b.items():
-            if isinstance(v, (int, float)) and k not in ("real_time", "cpu_time", "iterations", "repetitions",
-                                                        "repetition_index", "threads", "family_index",
-                                                        "per_family_instance_index"):
-                row[k] = v
-        out[base_name(b.get("run_name", b["name"]))] = row
-    return out
-
-
 def rate(row):
     # Prefer a FLOP rate (matrix work), then a byte rate (memory-bound work).
     for want in ("tflops", "tflop/s", "gbps", "gb/s", "busbw_gbps"):
@@ -72,7 +49,7 @@ def main():
     ap.add_argument("--slime", required=True)
     ap.add_argument("--torch", required=True)
     args = ap.parse_args()
-    slime = load_slime(args.slime)
+    slime = bench_util.gbench_results(args.slime)
     torch = load_torch(args.torch)
     family = re.sub(r"^bench_|\.json$", "", args.slime.split("/")[-1])
     print(f"{family}: slime vs PyTorch (ratio = torch time / slime time; > 1: slime faster)")

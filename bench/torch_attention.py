@@ -31,14 +31,16 @@ also prints slime's TFLOP/s beside both backends' and the ratios slime / torch.
 Standard library and torch only.
 """
 
-import argparse
 import json
-import statistics
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util  # noqa: E402  (bench/, beside this script)
 
 HEADS = 16
 # (head_dim, sequences, tokens per sequence), as in bench_attention.cu.
@@ -56,23 +58,6 @@ def bench_name(d, b, s, op, backend):
     return name if backend == "flash" else name + "/" + backend
 
 
-def time_op(run, warmup, reps, batch):
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    times_ms = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(batch):
-            run()
-        end.record()
-        end.synchronize()
-        times_ms.append(start.elapsed_time(end) / batch)
-    return statistics.median(times_ms)
-
-
 def check(out, q, k, v):
     """Head 0 of the backend's output against the fp32 MATH backend; '' or what went wrong."""
     with sdpa_kernel(SDPBackend.MATH):
@@ -82,30 +67,12 @@ def check(out, q, k, v):
     return "" if err <= 1e-2 else f"forward relative error {err:.3g} > 1e-2"
 
 
-def slime_medians(path):
-    """{benchmark name: TFLOP/s} from bench_attention's JSON (median aggregates)."""
-    with open(path) as f:
-        doc = json.load(f)
-    out = {}
-    for b in doc.get("benchmarks", []):
-        if b.get("run_type") == "aggregate" and b.get("aggregate_name") == "median" and "TFLOPs" in b:
-            parts = [p for p in b["run_name"].split("/") if ":" not in p and p not in ("manual_time", "real_time")]
-            out["/".join(parts)] = b["TFLOPs"]
-    return out
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="torch_attention.json")
+    p = bench_util.parser(__doc__, out="torch_attention.json", warmup=3, reps=20, batch=5)
     p.add_argument("--slime", help="bench_attention JSON to compare with")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=20, help="timed batches; the median is reported")
-    p.add_argument("--batch", type=int, default=5, help="calls per timed batch")
     args = p.parse_args()
 
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device")
-    device = torch.device("cuda", 0)
+    device = bench_util.cuda_device()
     rows = []
     for d, b, s in SHAPES:
         g = torch.Generator(device=device).manual_seed(1)
@@ -129,16 +96,16 @@ def main():
                         return torch.autograd.grad(out, (qb, kb, vb), dout)
 
                     error = check(fwd(), q, k, v)
-                    times["fwd"] = time_op(fwd, args.warmup, args.reps, args.batch)
-                    times["fwdbwd"] = time_op(fwdbwd, args.warmup, args.reps, args.batch)
+                    times["fwd"] = bench_util.time_us(fwd, args.warmup, args.reps, args.batch)
+                    times["fwdbwd"] = bench_util.time_us(fwdbwd, args.warmup, args.reps, args.batch)
                     times["bwd"] = times["fwdbwd"] - times["fwd"]
             except RuntimeError as e:  # backend not available for this shape or build
                 error = str(e).splitlines()[0]
             for op in ("fwd", "bwd", "fwdbwd"):
                 row = {"bench": bench_name(d, b, s, op, backend), "backend": backend}
                 if op in times:
-                    us = times[op] * 1e3
-                    row.update({"us": us, "tflops": flop(d, b, s, op) / (us * 1e-6) / 1e12})
+                    us = times[op]
+                    row.update({"us": us, "tflops": bench_util.tflops(flop(d, b, s, op), us)})
                     if op == "bwd":
                         row["derived"] = "fwdbwd - fwd"
                 if error:
@@ -151,7 +118,7 @@ def main():
             f.write(json.dumps(row) + "\n")
 
     if args.slime:
-        slime = slime_medians(args.slime)
+        slime = {n: r["TFLOPs"] for n, r in bench_util.gbench_results(args.slime).items() if "TFLOPs" in r}
         by_name = {r["bench"]: r for r in rows}
         print(f"\n{'benchmark':<34} {'slime':>8} {'flash':>8} {'ratio':>6} {'cudnn':>8} {'ratio':>6}   (TFLOP/s)")
         for d, b, s in SHAPES:

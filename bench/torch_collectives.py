@@ -21,11 +21,11 @@ Standard library and torch only. NCCL_NVLS_ENABLE=0 is set unless the
 environment already sets it (NVLink multicast stays off on shared hosts).
 """
 
-import argparse
-import json
 import os
-import statistics
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util  # noqa: E402  (bench/, beside this script; does not import torch)
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -90,31 +90,12 @@ def check(op, inp, out, run, total, world, rank, device):
     return f"rank {rank}: element {i} of {out.numel()} is {out[i].item()}, expected {want[i].item()}"
 
 
-def time_op(run, warmup, reps, batch, device):
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize(device)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    times_ms = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(batch):
-            run()
-        end.record()
-        end.synchronize()
-        times_ms.append(start.elapsed_time(end) / batch)
-    return statistics.median(times_ms)
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="torch_collectives.json", help="JSON written by rank 0")
+    p = bench_util.parser(__doc__, out="torch_collectives.json", warmup=5, reps=20, batch=10,
+                          out_help="JSON written by rank 0", warmup_help="untimed collectives per op and size",
+                          batch_help="collectives per timed batch")
     p.add_argument("--min-bytes", type=int, default=1 << 20)
     p.add_argument("--max-bytes", type=int, default=1 << 30)
-    p.add_argument("--warmup", type=int, default=5, help="untimed collectives per op and size")
-    p.add_argument("--reps", type=int, default=20, help="timed batches; the median is reported")
-    p.add_argument("--batch", type=int, default=10, help="collectives per timed batch")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     args = p.parse_args()
 
@@ -135,7 +116,7 @@ def main():
             total = size // 2  # bf16 elements of the larger buffer
             inp, out, run = make_op(op, total, world, rank, device)
             error = check(op, inp, out, run, total, world, rank, device)
-            t_ms = time_op(run, args.warmup, args.reps, args.batch, device)
+            t_ms = bench_util.time_us(run, args.warmup, args.reps, args.batch, device) * 1e-3
             # The slowest rank's median; any rank's check failure marks the row.
             agg = torch.tensor([t_ms, 1.0 if error else 0.0], dtype=torch.float64, device=device)
             dist.all_reduce(agg, op=dist.ReduceOp.MAX)
@@ -161,23 +142,9 @@ def main():
             del inp, out, run
 
     if rank == 0:
-        doc = {
-            "context": {
-                "torch": torch.__version__,
-                "nccl": ".".join(str(v) for v in torch.cuda.nccl.version()),
-                "device": torch.cuda.get_device_name(device),
-                "world_size": world,
-                "dtype": "bf16",
-                "warmup": args.warmup,
-                "reps": args.reps,
-                "batch": args.batch,
-                "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
-            },
-            "results": results,
-        }
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {args.out}", flush=True)
+        ctx = bench_util.context(args, device, cuda=False, nccl=".".join(str(v) for v in torch.cuda.nccl.version()),
+                                 world_size=world, NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE"))
+        bench_util.write_doc(args.out, results, ctx)
     dist.barrier()
     dist.destroy_process_group()
     return 1 if failed else 0

@@ -33,34 +33,19 @@ to --out (read by bench/compare_ops.py).
 Standard library and torch only.
 """
 
-import argparse
 import json
-import statistics
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util  # noqa: E402  (bench/, beside this script)
+
 T = 16384
 EPS = 1e-6
 THETA = 1e6
-
-
-def time_op(run, warmup, reps, batch):
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    times_ms = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(batch):
-            run()
-        end.record()
-        end.synchronize()
-        times_ms.append(start.elapsed_time(end) / batch)
-    return statistics.median(times_ms)
 
 
 def rel_err(got, want):
@@ -202,37 +187,30 @@ def make_cases(device):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="torch_elementwise_ops.json")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=20, help="timed batches; the median is reported")
-    p.add_argument("--batch", type=int, default=5, help="calls per timed batch")
-    args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device")
-    device = torch.device("cuda", 0)
+    args = bench_util.parser(__doc__, out="torch_elementwise_ops.json", warmup=3, reps=20, batch=5).parse_args()
+    device = bench_util.cuda_device()
 
-    copy_ms = {}
+    copy_us = {}
 
     def copy_time(nbytes):
-        if nbytes not in copy_ms:
+        if nbytes not in copy_us:
             src = torch.empty(nbytes, dtype=torch.uint8, device=device)
             dst = torch.empty_like(src)
-            copy_ms[nbytes] = time_op(lambda: dst.copy_(src), args.warmup, args.reps, args.batch)
+            copy_us[nbytes] = bench_util.time_us(lambda: dst.copy_(src), args.warmup, args.reps, args.batch)
             del src, dst
-        return copy_ms[nbytes]
+        return copy_us[nbytes]
 
     rows, failed = [], False
     for name, nbytes, setup in make_cases(device):
         run, check = setup()
         err = check()
         tol = 0.0 if name.startswith("copy") else 1e-2  # bf16, HF-style double rounding
-        t_ms = time_op(run, args.warmup, args.reps, args.batch)
-        gbps = nbytes / (t_ms * 1e-3) / 1e9
-        copy_gbps = nbytes / (copy_time(nbytes // 2) * 1e-3) / 1e9
+        us = bench_util.time_us(run, args.warmup, args.reps, args.batch)
+        gbps = bench_util.gbps(nbytes, us)
+        copy_gbps = bench_util.gbps(nbytes, copy_time(nbytes // 2))
         row = {
             "bench": name,
-            "us": t_ms * 1e3,
+            "us": us,
             "gbps": gbps,
             "copy_gbps": copy_gbps,
             "frac_of_copy": gbps / copy_gbps,
@@ -247,21 +225,7 @@ def main():
         del run, check
         torch.cuda.empty_cache()
 
-    doc = {
-        "context": {
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name(device),
-            "dtype": "bf16",
-            "warmup": args.warmup,
-            "reps": args.reps,
-            "batch": args.batch,
-        },
-        "results": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}", flush=True)
+    bench_util.write_doc(args.out, rows, bench_util.context(args, device))
     return 1 if failed else 0
 
 

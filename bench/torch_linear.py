@@ -27,13 +27,15 @@ compared with wgrad_f32 where that exists, else with the bf16 wgrad).
 Standard library and torch only. TF32 stays off (bf16 GEMMs do not use it).
 """
 
-import argparse
 import json
-import statistics
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util  # noqa: E402  (bench/, beside this script)
 
 TOKENS = 8192
 # (model, projection, in_features K, out_features N), as in bench_linear.cu.
@@ -90,48 +92,12 @@ def check(op, out, x, w, dy, dw32):
     return "" if err <= tol else f"{op}: relative error {err:.3g} > {tol}"
 
 
-def time_op(run, warmup, reps, batch):
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    times_ms = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(batch):
-            run()
-        end.record()
-        end.synchronize()
-        times_ms.append(start.elapsed_time(end) / batch)
-    return statistics.median(times_ms)
-
-
-def slime_medians(path):
-    """{benchmark name: TFLOP/s} from bench_linear's JSON (median aggregates)."""
-    with open(path) as f:
-        doc = json.load(f)
-    out = {}
-    for b in doc.get("benchmarks", []):
-        if b.get("run_type") == "aggregate" and b.get("aggregate_name") == "median" and "TFLOPs" in b:
-            # "linear/h4096/qo/fwd/iterations:10/repeats:5/manual_time" -> "linear/h4096/qo/fwd"
-            parts = [q for q in b["run_name"].split("/") if ":" not in q and q not in ("manual_time", "real_time")]
-            out["/".join(parts)] = b["TFLOPs"]
-    return out
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="torch_linear.json")
+    p = bench_util.parser(__doc__, out="torch_linear.json", warmup=3, reps=20, batch=5)
     p.add_argument("--slime", help="bench_linear JSON to compare with")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=20, help="timed batches; the median is reported")
-    p.add_argument("--batch", type=int, default=5, help="calls per timed batch")
     args = p.parse_args()
 
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device")
-    device = torch.device("cuda", 0)
+    device = bench_util.cuda_device()
     torch.backends.cuda.matmul.allow_tf32 = False
     ops = [o for o in OPS if o != "wgrad_f32" or has_out_dtype(device)]
 
@@ -146,11 +112,11 @@ def main():
         for op in ops:
             run = make_run(op, x, w, dy, dw32)
             error = check(op, run(), x, w, dy, dw32)
-            t_ms = time_op(run, args.warmup, args.reps, args.batch)
+            us = bench_util.time_us(run, args.warmup, args.reps, args.batch)
             row = {
                 "bench": f"linear/{model}/{proj}/{op}",
-                "us": t_ms * 1e3,
-                "tflops": flop / (t_ms * 1e-3) / 1e12,
+                "us": us,
+                "tflops": bench_util.tflops(flop, us),
                 "tokens": TOKENS,
                 "in": K,
                 "out": N,
@@ -164,24 +130,10 @@ def main():
         del x, w, dy, dw32
         torch.cuda.empty_cache()
 
-    doc = {
-        "context": {
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name(device),
-            "dtype": "bf16",
-            "warmup": args.warmup,
-            "reps": args.reps,
-            "batch": args.batch,
-        },
-        "results": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}", flush=True)
+    bench_util.write_doc(args.out, rows, bench_util.context(args, device))
 
     if args.slime:
-        ours = slime_medians(args.slime)
+        ours = {n: r["TFLOPs"] for n, r in bench_util.gbench_results(args.slime).items() if "TFLOPs" in r}
         torch_tf = {r["bench"]: r["tflops"] for r in rows}
         print(f"{'benchmark':<28} {'slime TFLOP/s':>14} {'torch TFLOP/s':>14} {'ratio':>7}  (torch op)")
         for model, proj, _, _ in SHAPES:

@@ -38,13 +38,14 @@ extra / slime extra (and the same for the peaks); > 1 means slime is better.
 Standard library and torch only. TF32 stays off (bf16 GEMMs do not use it).
 """
 
-import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_util  # noqa: E402  (bench/, beside this script)
 
 VOCAB = 151936
 TEMPERATURE = 0.8
@@ -91,23 +92,6 @@ def check(h, w, targets, lp, ent):
     return "" if err <= 0.1 else f"max abs error {err:.3g} > 0.1"
 
 
-def time_op(run, warmup, reps, batch):
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    times_ms = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(batch):
-            run()
-        end.record()
-        end.synchronize()
-        times_ms.append(start.elapsed_time(end) / batch)
-    return statistics.median(times_ms)
-
-
 def measure_memory(run):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -119,26 +103,8 @@ def measure_memory(run):
     return peak, peak - held
 
 
-def slime_medians(path):
-    """{benchmark name: median row} from bench_token_logprobs' JSON."""
-    with open(path) as f:
-        doc = json.load(f)
-    out = {}
-    for b in doc.get("benchmarks", []):
-        if b.get("error_occurred"):
-            name = "/".join(q for q in b["run_name"].split("/") if ":" not in q and q != "manual_time")
-            out[name] = {"error": b.get("error_message", "error")}
-            continue
-        if b.get("run_type") == "aggregate" and b.get("aggregate_name") == "median":
-            # "token_logprobs/T8192/D4096/fwd/iterations:5/repeats:3/manual_time" -> "token_logprobs/T8192/D4096/fwd"
-            name = "/".join(q for q in b["run_name"].split("/") if ":" not in q and q != "manual_time")
-            scale = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}[b.get("time_unit", "ns")]
-            out[name] = {"us": b["real_time"] * scale, "peak_bytes": b.get("peak_bytes"),
-                         "extra_bytes": b.get("extra_bytes")}
-    return out
-
-
 def print_table(ours, rows):
+    """ours: bench_util.gbench_results of bench_token_logprobs' JSON."""
     mib = 1 << 20
     print("token_logprobs: slime vs PyTorch (ratios are torch / slime: > 1 means slime is faster or smaller)")
     print(f"{'benchmark':<36} {'slime ms':>9} {'torch ms':>9} {'time x':>7} "
@@ -164,18 +130,12 @@ def print_table(ours, rows):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="torch_token_logprobs.json")
+    p = bench_util.parser(__doc__, out="torch_token_logprobs.json", warmup=2, reps=10, batch=2)
     p.add_argument("--slime", help="bench_token_logprobs JSON to compare with (default: bench_token_logprobs.json "
                    "beside --out, where it exists, as tools/gpu-test.sh writes them)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--reps", type=int, default=10, help="timed batches; the median is reported")
-    p.add_argument("--batch", type=int, default=2, help="calls per timed batch")
     args = p.parse_args()
 
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device")
-    device = torch.device("cuda", 0)
+    device = bench_util.cuda_device()
     torch.backends.cuda.matmul.allow_tf32 = False
 
     rows, failed = [], False
@@ -198,8 +158,8 @@ def main():
                 error = check(h.detach(), w.detach(), targets, lp, ent)
                 del lp, ent
                 peak, extra = measure_memory(run)
-                t_ms = time_op(run, args.warmup, args.reps, args.batch)
-                row.update({"us": t_ms * 1e3, "tflops": flop / (t_ms * 1e-3) / 1e12, "peak_bytes": peak,
+                us = bench_util.time_us(run, args.warmup, args.reps, args.batch)
+                row.update({"us": us, "tflops": bench_util.tflops(flop, us), "peak_bytes": peak,
                             "extra_bytes": extra, "correct": not error})
                 if error:
                     row["error"] = error
@@ -215,26 +175,11 @@ def main():
         del h, w, targets, g_lp, g_ent
         torch.cuda.empty_cache()
 
-    doc = {
-        "context": {
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name(device),
-            "dtype": "bf16",
-            "temperature": TEMPERATURE,
-            "warmup": args.warmup,
-            "reps": args.reps,
-            "batch": args.batch,
-        },
-        "results": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=2)
-    print(f"wrote {args.out}", flush=True)
+    bench_util.write_doc(args.out, rows, bench_util.context(args, device, temperature=TEMPERATURE))
 
     slime_json = args.slime or os.path.join(os.path.dirname(os.path.abspath(args.out)), "bench_token_logprobs.json")
     if args.slime or os.path.exists(slime_json):
-        print_table(slime_medians(slime_json), rows)
+        print_table(bench_util.gbench_results(slime_json), rows)
     return 1 if failed else 0
 
 
