@@ -21,7 +21,7 @@ import bench_util  # noqa: E402  (bench/, beside this script)
 def load_torch(path):
     text = open(path).read().strip()
     if not text:
-        return []
+        return {}
     try:
         data = json.loads(text)
         rows = data if isinstance(data, list) else data.get("results", [data])

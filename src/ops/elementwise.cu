@@ -9,30 +9,29 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "memops.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cuda/elementwise.hpp"
 
 namespace slime::ops::cuda {
 namespace {
 
+namespace memops = ::slime::ops::detail::memops;
+
 constexpr int kThreads = 256;
 
-// ---- conversions: hardware cvt.rn for numbers (IEEE round to nearest even,
-// the same as slime::BFloat16 / Half), and NaN made canonical explicitly, as
-// half.hpp specifies (f16 -> f32: 0x7FFFFFFF; f32 -> bf16 / f16: 0x7FFF), so
-// the bits never depend on how a GPU generation treats NaN payloads.
-template <class T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else if constexpr (std::is_same_v<T, BFloat16>) {
-    return __bfloat162float(__ushort_as_bfloat16(v.bits));  // a shift: payloads kept, as on the host
-  } else {
-    const float f = __half2float(__ushort_as_half(v.bits));
-    return f != f ? __uint_as_float(0x7fffffffu) : f;
-  }
-}
+using memops::aligned;
+using memops::grid_1d;
+using memops::load_vec;
+using memops::store_vec;
+using memops::to_float;
+using memops::Vec;
 
+// ---- conversions: memops::to_float (bf16 keeps NaN payloads, f16 NaN made
+// canonical), and fp32 -> storage with the hardware cvt.rn for numbers (IEEE
+// round to nearest even, the same as slime::BFloat16 / Half) and NaN made
+// canonical explicitly, as half.hpp specifies (f32 -> bf16 / f16: 0x7FFF), so
+// the bits never depend on how a GPU generation treats NaN payloads.
 template <class T>
 __device__ __forceinline__ T from_float(float v) {
   if constexpr (std::is_same_v<T, float>) {
@@ -44,19 +43,7 @@ __device__ __forceinline__ T from_float(float v) {
   }
 }
 
-// N elements loaded or stored together; 16-byte aligned at most (sm_90 has no
-// wider per-thread access, so larger vectors become several 16-byte ones).
-template <class T, int N>
-struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Vec {
-  T v[N];
-};
-
-bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
-unsigned grid_for(int64_t items) {
-  const int64_t blocks = (items + kThreads - 1) / kThreads;
-  return unsigned(std::clamp<int64_t>(blocks, 1, int64_t(1) << 20));
-}
+unsigned grid_for(int64_t items) { return grid_1d(items, kThreads, int64_t(1) << 20); }
 
 // ---- the ops, in fp32 ----
 struct AddOp {
@@ -77,12 +64,12 @@ __global__ void __launch_bounds__(kThreads) binary_kernel(const T* a, const T* b
   const int64_t vectors = n / N;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < vectors; i += stride) {
-    const Vec<T, N> va = reinterpret_cast<const Vec<T, N>*>(a)[i];
-    const Vec<T, N> vb = reinterpret_cast<const Vec<T, N>*>(b)[i];
+    const Vec<T, N> va = load_vec<T, N>(a, i);
+    const Vec<T, N> vb = load_vec<T, N>(b, i);
     Vec<T, N> vy;
 #pragma unroll
     for (int j = 0; j < N; ++j) vy.v[j] = from_float<T>(op(to_float(va.v[j]), to_float(vb.v[j])));
-    reinterpret_cast<Vec<T, N>*>(y)[i] = vy;
+    store_vec<T, N>(y, i, vy);
   }
   const int64_t t = blockIdx.x * int64_t(kThreads) + threadIdx.x + vectors * N;
   if (t < n) y[t] = from_float<T>(op(to_float(a[t]), to_float(b[t])));
@@ -94,11 +81,11 @@ __global__ void __launch_bounds__(kThreads) unary_kernel(const In* x, Out* y, in
   const int64_t vectors = n / N;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < vectors; i += stride) {
-    const Vec<In, N> vx = reinterpret_cast<const Vec<In, N>*>(x)[i];
+    const Vec<In, N> vx = load_vec<In, N>(x, i);
     Vec<Out, N> vy;
 #pragma unroll
     for (int j = 0; j < N; ++j) vy.v[j] = from_float<Out>(op(to_float(vx.v[j])));
-    reinterpret_cast<Vec<Out, N>*>(y)[i] = vy;
+    store_vec<Out, N>(y, i, vy);
   }
   const int64_t t = blockIdx.x * int64_t(kThreads) + threadIdx.x + vectors * N;
   if (t < n) y[t] = from_float<Out>(op(to_float(x[t])));
@@ -137,8 +124,8 @@ void launch_binary(const T* a, const T* b, T* y, int64_t n, Op op, StreamHandle 
 template <class In, class Out, class Op>
 void launch_unary(const In* x, Out* y, int64_t n, Op op, StreamHandle stream) {
   constexpr int kVec = 16 / (sizeof(In) < sizeof(Out) ? sizeof(In) : sizeof(Out));
-  constexpr std::size_t kInAlign = sizeof(In) * kVec < 16 ? sizeof(In) * kVec : 16;
-  constexpr std::size_t kOutAlign = sizeof(Out) * kVec < 16 ? sizeof(Out) * kVec : 16;
+  constexpr std::size_t kInAlign = memops::vec_align(sizeof(In), kVec);
+  constexpr std::size_t kOutAlign = memops::vec_align(sizeof(Out), kVec);
   if (aligned(x, kInAlign) && aligned(y, kOutAlign)) {
     unary_kernel<In, Out, kVec><<<grid_for(std::max<int64_t>(n / kVec, 1)), kThreads, 0, stream>>>(x, y, n, op);
   } else {

@@ -18,23 +18,16 @@
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 
+#include "memops.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cuda/embedding.hpp"
 
 namespace slime::ops::cuda {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kMaxGridY = 65535;
+using namespace ::slime::ops::detail::memops;
 
-template <class T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return __bfloat162float(__ushort_as_bfloat16(v.bits));
-  }
-}
+constexpr int kThreads = 128;
 
 // All bits set: NaN in every float type (as Tensor::fill_bytes_(0xff)).
 template <class T>
@@ -45,13 +38,6 @@ __device__ __forceinline__ T all_ones() {
     return BFloat16::from_bits(0xffffu);
   }
 }
-
-template <class T, int N>
-struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Vec {
-  T v[N];
-};
-
-bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
@@ -72,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
       if (bad_flag != nullptr) *bad_flag = 1;
       continue;
     }
-    *out = reinterpret_cast<const Vec<T, N>*>(table + id * dim)[c];
+    *out = load_vec<T, N>(table + id * dim, c);
   }
 }
 
@@ -111,24 +97,16 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < N; ++k) acc[k] = 0.f;
     for (int64_t j = i; j < tokens && keys[j] == key; ++j) {
-      const Vec<T, N> v = reinterpret_cast<const Vec<T, N>*>(dy + int64_t(positions[j]) * dim)[c];
+      const Vec<T, N> v = load_vec<T, N>(dy + int64_t(positions[j]) * dim, c);
 #pragma unroll
       for (int k = 0; k < N; ++k) acc[k] += to_float(v.v[k]);
     }
-    Vec<float, N>* out = reinterpret_cast<Vec<float, N>*>(dtable + int64_t(key) * dim) + c;
-    Vec<float, N> o = *out;
+    float* out = dtable + int64_t(key) * dim;
+    Vec<float, N> o = load_vec<float, N>(out, c);
 #pragma unroll
     for (int k = 0; k < N; ++k) o.v[k] += acc[k];
-    *out = o;
+    store_vec<float, N>(out, c, o);
   }
-}
-
-unsigned grid_1d(int64_t n, int threads) {
-  return unsigned(std::clamp<int64_t>((n + threads - 1) / threads, 1, 65535 * 16));
-}
-
-dim3 grid_rows(int64_t vectors_per_row, int64_t rows) {
-  return dim3(unsigned((vectors_per_row + kThreads - 1) / kThreads), unsigned(std::min<int64_t>(rows, kMaxGridY)));
 }
 
 template <class F>
@@ -192,11 +170,11 @@ void embedding_forward(const void* ids, DType id_dtype, const void* table, DType
     const auto* tp = static_cast<const T*>(table);
     auto* yp = static_cast<T*>(y);
     if (dim % kVec == 0 && aligned(table, 16) && aligned(y, 16)) {
-      embedding_forward_kernel<I, T, kVec>
-          <<<grid_rows(dim / kVec, tokens), kThreads, 0, stream>>>(ip, tp, yp, tokens, vocab, dim, maybe_bad_flag);
+      embedding_forward_kernel<I, T, kVec><<<grid_rows(dim / kVec, tokens, kThreads), kThreads, 0, stream>>>(
+          ip, tp, yp, tokens, vocab, dim, maybe_bad_flag);
     } else {
       embedding_forward_kernel<I, T, 1>
-          <<<grid_rows(dim, tokens), kThreads, 0, stream>>>(ip, tp, yp, tokens, vocab, dim, maybe_bad_flag);
+          <<<grid_rows(dim, tokens, kThreads), kThreads, 0, stream>>>(ip, tp, yp, tokens, vocab, dim, maybe_bad_flag);
     }
     SLIME_CUDA_CHECK_LAUNCH();
   });
@@ -261,11 +239,11 @@ void embedding_backward(const void* ids, DType id_dtype, const void* dy, DType d
     constexpr int kVec = 16 / sizeof(T);
     const auto* dp = static_cast<const T*>(dy);
     if (dim % kVec == 0 && aligned(dy, 16) && aligned(dtable, 16)) {
-      embedding_backward_kernel<T, kVec>
-          <<<grid_rows(dim / kVec, tokens), kThreads, 0, stream>>>(keys_out, vals_out, dp, dtable, tokens, vocab, dim);
+      embedding_backward_kernel<T, kVec><<<grid_rows(dim / kVec, tokens, kThreads), kThreads, 0, stream>>>(
+          keys_out, vals_out, dp, dtable, tokens, vocab, dim);
     } else {
-      embedding_backward_kernel<T, 1>
-          <<<grid_rows(dim, tokens), kThreads, 0, stream>>>(keys_out, vals_out, dp, dtable, tokens, vocab, dim);
+      embedding_backward_kernel<T, 1><<<grid_rows(dim, tokens, kThreads), kThreads, 0, stream>>>(
+          keys_out, vals_out, dp, dtable, tokens, vocab, dim);
     }
     SLIME_CUDA_CHECK_LAUNCH();
   });

@@ -4,9 +4,9 @@
 // two; several groups share a block when kGroup < 256). Each thread keeps
 // kIters vectors of kVec elements of the row in registers, so x (and dy) are
 // read from memory once; the row sums are butterfly shuffles within a warp
-// and, for groups wider than a warp, one shared-memory step. The weight is
-// loaded into registers once per thread and reused for every row the block
-// visits (blocks stride over the rows).
+// and, for groups wider than a warp, one shared-memory step. Blocks stride
+// over the rows. The forward loads the weight into registers once per
+// thread; the backward re-reads it (from L1) with each row's loads.
 //
 // Backward dw, deterministic: the backward runs a persistent grid of
 // B = min(ceil(rows / rows_per_block), resident blocks per SM x SMs) blocks;
@@ -17,6 +17,25 @@
 // order. B depends on the shape, the dtypes, the pointers' alignment and the
 // GPU model, so dw is the same bits run to run on one kind of GPU. (A fixed B
 // independent of the GPU would leave a partial last wave of blocks.)
+//
+// Backward performance (H200, 132 SMs; bf16 16384 x 4096, copy 4090 GB/s):
+//   bytes moved: x, dy read and dx written, 3 x 2 x 16384 x 4096 = 402.7 MB
+//   (+ w, rstd, dw: 0.1 MB) + the dw partials, B x dim x 4 bytes written and
+//   read once: B = 264 blocks (2 of 512 threads per SM), 2 x 4.3 MB = 8.7 MB;
+//   411.4 MB in all, 100.6 us at copy bandwidth.
+//   Before: 186 us (53% of copy). Config<128, 4> held 32 elements of the
+//   row per thread; the weights' fp32 conversions were hoisted out of the
+//   row loop and spilled (84 bytes stored, 156 loaded per thread, LDL twice
+//   per row), and each x / dy vector pair was loaded inside the math loop
+//   behind a branch: one 32-byte round trip at a time, 4 per row, with 512
+//   threads per SM (16 KB in flight per SM; about 30 KB is needed).
+//   Now: at most 8 elements per thread (Config<512, 1> at dim 4096, 61
+//   registers, no spill, 1024 threads per SM), every load of a row issued
+//   before the math (x, dy: LDG.E.128 from memory; w: LDG.E.128 from L1),
+//   32 KB of x and dy in flight per SM.
+//   Prediction: about 130 us (~3.1 TB/s of algorithmic traffic, ~76% of
+//   copy) at D = 4096; about 66 us (~76%) at D = 2048 (Config<256, 1>, 4
+//   blocks of 256 per SM, 528 partial rows: 201.3 + 8.7 MB). Not yet measured.
 //
 // Launch shapes (tuning as data): the smallest configuration whose capacity
 // kGroup * kIters * kVec covers dim, from the list in with_config(). With
@@ -30,42 +49,18 @@
 #include <cstdint>
 #include <mutex>
 
+#include "memops.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cuda/rms_norm.hpp"
 
 namespace slime::ops::cuda {
 namespace {
 
+using namespace ::slime::ops::detail::memops;
+
 // At most 2048 / 256 blocks of >= 256 threads are resident per SM, so the
 // backward writes at most min(rows, 8 x SMs) partial rows of dw.
 constexpr int kMaxBlocksPerSm = 8;
-
-template <class T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return __bfloat162float(__ushort_as_bfloat16(v.bits));
-  }
-}
-
-template <class T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return BFloat16::from_bits(__bfloat16_as_ushort(__float2bfloat16_rn(v)));
-  }
-}
-
-template <class T, int N>
-struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Vec {
-  T v[N];
-};
-
-constexpr std::size_t vec_align(std::size_t elem, int n) { return elem * n < 16 ? elem * n : 16; }
-
-bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 template <int kGroup_, int kIters_>
 struct Config {
@@ -113,7 +108,7 @@ __device__ __forceinline__ void load_weight(const W* w, int64_t dim, int lane, V
   for (int it = 0; it < kIters; ++it) {
     const int64_t col = column<kGroup, kVec>(it, lane);
     if (col < dim) {
-      wv[it] = *reinterpret_cast<const Vec<W, kVec>*>(w + col);
+      wv[it] = load_vec<W, kVec>(w + col);
     } else {
 #pragma unroll
       for (int k = 0; k < kVec; ++k) wv[it].v[k] = W(0.f);
@@ -144,7 +139,7 @@ __global__ void __launch_bounds__(C::kBlock) rms_norm_forward_kernel(const RmsNo
     for (int it = 0; it < kIters; ++it) {
       const int64_t col = column<kGroup, kVec>(it, lane);
       if (valid && col < dim) {
-        xv[it] = *reinterpret_cast<const Vec<T, kVec>*>(x + row * dim + col);
+        xv[it] = load_vec<T, kVec>(x + row * dim + col);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const float f = to_float(xv[it].v[k]);
@@ -163,14 +158,16 @@ __global__ void __launch_bounds__(C::kBlock) rms_norm_forward_kernel(const RmsNo
         Vec<T, kVec> yv;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) yv.v[k] = from_float<T>(to_float(xv[it].v[k]) * rs * to_float(wv[it].v[k]));
-        *reinterpret_cast<Vec<T, kVec>*>(y + row * dim + col) = yv;
+        store_vec<T, kVec>(y + row * dim + col, yv);
       }
     }
   }
 }
 
+// At least 1024 threads per SM (a 64-register cap): with loads of 2 x 2
+// vectors per thread, 64 KB of x and dy in flight per SM.
 template <class T, class W, int kVec, class C>
-__global__ void __launch_bounds__(C::kBlock, C::kBlock == 256 ? 2 : 1)
+__global__ void __launch_bounds__(C::kBlock, C::kBlock < 1024 ? 1024 / C::kBlock : 1)
     rms_norm_backward_kernel(const RmsNormBackwardArgs a, float* partials) {
   constexpr int kGroup = C::kGroup, kIters = C::kIters, kBlock = C::kBlock, kRows = C::kRows;
   __shared__ float red[kBlock / 32];
@@ -182,8 +179,10 @@ __global__ void __launch_bounds__(C::kBlock, C::kBlock == 256 ? 2 : 1)
   const int64_t rows = a.rows, dim = a.dim;
   const float inv_dim = 1.f / float(dim);
 
-  Vec<W, kVec> wv[kIters];
-  load_weight<W, kVec, kGroup, kIters>(static_cast<const W*>(a.w), dim, lane, wv);
+  // The weight is re-read for every row (from L1: 2 x dim bytes or less)
+  // rather than held: held, its fp32 conversions were hoisted out of the row
+  // loop and spilled (84 bytes at dim 4096 under the 128-register cap).
+  const W* w = static_cast<const W*>(a.w);
   float dw[kIters][kVec];
 #pragma unroll
   for (int it = 0; it < kIters; ++it)
@@ -193,15 +192,26 @@ __global__ void __launch_bounds__(C::kBlock, C::kBlock == 256 ? 2 : 1)
   for (int64_t base = int64_t(blockIdx.x) * kRows; base < rows; base += int64_t(gridDim.x) * kRows) {
     const int64_t row = base + group;
     const bool valid = row < rows;
+    // Every load of the row first, then the math: all 2 x kIters vectors of
+    // x and dy are in flight at once (with the loads inside the math loop
+    // they went out one pair at a time, a memory round trip per pair).
     Vec<T, kVec> xv[kIters], dyv[kIters];
+    Vec<W, kVec> wv[kIters];
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int64_t col = column<kGroup, kVec>(it, lane);
+      if (valid && col < dim) {
+        xv[it] = load_vec<T, kVec>(x + row * dim + col);
+        dyv[it] = load_vec<T, kVec>(dy + row * dim + col);
+        wv[it] = load_vec<W, kVec>(w + col);
+      }
+    }
     const float rs = valid ? a.rstd[row] : 0.f;
     float dot = 0.f;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int64_t col = column<kGroup, kVec>(it, lane);
       if (valid && col < dim) {
-        xv[it] = *reinterpret_cast<const Vec<T, kVec>*>(x + row * dim + col);
-        dyv[it] = *reinterpret_cast<const Vec<T, kVec>*>(dy + row * dim + col);
 #pragma unroll
         for (int k = 0; k < kVec; ++k)
           dot += to_float(dyv[it].v[k]) * to_float(wv[it].v[k]) * (to_float(xv[it].v[k]) * rs);
@@ -222,7 +232,7 @@ __global__ void __launch_bounds__(C::kBlock, C::kBlock == 256 ? 2 : 1)
           dxv.v[k] = from_float<T>(rs * (d * to_float(wv[it].v[k]) - n * c));
           dw[it][k] += d * n;
         }
-        *reinterpret_cast<Vec<T, kVec>*>(dx + row * dim + col) = dxv;
+        store_vec<T, kVec>(dx + row * dim + col, dxv);
       }
     }
   }
@@ -292,10 +302,26 @@ int sm_count() {
 
 // Calls launch(Config<G, I>{}) with the smallest listed configuration whose
 // capacity G * I * kVec covers dim.
-template <int kVec, class Launch>
+// The backward (kBackward) holds at most 8 elements of a row per thread (2
+// vectors of f32, 1 of bf16; 2 of bf16 only past 8192 columns) under a
+// 64-register cap: with 32 (dim 4096 at Config<128, 4>) the fp32 x, dy and w
+// values live across the row sum beside 32 dw accumulators did not fit in
+// 128 registers and spilled.
+template <int kVec, bool kBackward = false, class Launch>
 void with_config(int64_t dim, Launch&& launch) {
   auto fits = [dim](int g, int i) { return dim <= int64_t(g) * i * kVec; };
-  if constexpr (kVec > 1) {
+  if constexpr (kVec > 1 && kBackward) {
+    constexpr int kI = kVec >= 8 ? 1 : 2;
+    if (fits(16, kI)) return launch(Config<16, kI>{});
+    if (fits(32, kI)) return launch(Config<32, kI>{});
+    if (fits(64, kI)) return launch(Config<64, kI>{});
+    if (fits(128, kI)) return launch(Config<128, kI>{});
+    if (fits(256, kI)) return launch(Config<256, kI>{});
+    if (fits(512, kI)) return launch(Config<512, kI>{});
+    if (fits(1024, kI)) return launch(Config<1024, kI>{});
+    if (fits(1024, 2)) return launch(Config<1024, 2>{});
+    SLIME_FAIL("rms_norm: dim ", dim, " exceeds the GPU kernels' limit of ", 2048 * kVec, " for this dtype");
+  } else if constexpr (kVec > 1) {
     // 128 threads per row from dim 2048 on, 4 vectors each at 4096 (as
     // TransformerEngine's tuned norms for bf16 hidden 4096): two rows per
     // 256-thread block, 64 bytes of x (and of dy) in flight per thread.
@@ -404,7 +430,7 @@ void rms_norm_backward(const RmsNormBackwardArgs& args, StreamHandle stream) {
     using W = decltype(w_tag);
     auto run = [&](auto vec_tag) {
       constexpr int kVec = decltype(vec_tag)::value;
-      with_config<kVec>(args.dim, [&](auto cfg) {
+      with_config<kVec, true>(args.dim, [&](auto cfg) {
         using C = decltype(cfg);
         auto kernel = rms_norm_backward_kernel<T, W, kVec, C>;
         static const int64_t per_sm = resident_blocks(kernel, C::kBlock);

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "memops.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cpu/rope.hpp"
 #include "slime/ops/cuda/rope.hpp"
@@ -20,32 +21,9 @@
 namespace slime::ops::cuda {
 namespace {
 
+using namespace ::slime::ops::detail::memops;
+
 constexpr int kThreads = 256;
-
-template <class T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return __bfloat162float(__ushort_as_bfloat16(v.bits));
-  }
-}
-
-template <class T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return BFloat16::from_bits(__bfloat16_as_ushort(__float2bfloat16_rn(v)));
-  }
-}
-
-template <class T, int N>
-struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Vec {
-  T v[N];
-};
-
-bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 struct RopeParams {
   const void* q;
@@ -67,8 +45,8 @@ __device__ __forceinline__ void rotate_heads(const T* x, T* y, int heads, int he
 #pragma unroll 4
   for (int h = 0; h < heads; ++h) {
     const int64_t base = (t * heads + h) * head_dim + i0;
-    const Vec<T, N> a = *reinterpret_cast<const Vec<T, N>*>(x + base);
-    const Vec<T, N> b = *reinterpret_cast<const Vec<T, N>*>(x + base + half);
+    const Vec<T, N> a = load_vec<T, N>(x + base);
+    const Vec<T, N> b = load_vec<T, N>(x + base + half);
     Vec<T, N> ya, yb;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
@@ -76,8 +54,8 @@ __device__ __forceinline__ void rotate_heads(const T* x, T* y, int heads, int he
       ya.v[k] = from_float<T>(x1 * c[k] - x2 * s[k]);
       yb.v[k] = from_float<T>(x2 * c[k] + x1 * s[k]);
     }
-    *reinterpret_cast<Vec<T, N>*>(y + base) = ya;
-    *reinterpret_cast<Vec<T, N>*>(y + base + half) = yb;
+    store_vec<T, N>(y + base, ya);
+    store_vec<T, N>(y + base + half, yb);
   }
 }
 
@@ -171,8 +149,7 @@ void rope(const RopeArgs& args, StreamHandle stream) {
 void positions_from_cu_seqlens(const int32_t* cu_seqlens, int64_t num_seqs, int64_t tokens, int32_t* positions,
                                StreamHandle stream) {
   if (tokens == 0) return;
-  const int64_t blocks = std::clamp<int64_t>((tokens + 255) / 256, 1, 65535 * 16);
-  positions_kernel<<<unsigned(blocks), 256, 0, stream>>>(cu_seqlens, num_seqs, tokens, positions);
+  positions_kernel<<<grid_1d(tokens, 256), 256, 0, stream>>>(cu_seqlens, num_seqs, tokens, positions);
   SLIME_CUDA_CHECK_LAUNCH();
 }
 

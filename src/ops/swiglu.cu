@@ -9,46 +9,26 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "memops.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cuda/swiglu.hpp"
 
 namespace slime::ops::cuda {
 namespace {
 
+using namespace ::slime::ops::detail::memops;
+
 constexpr int kThreads = 256;
-constexpr int kMaxGridY = 65535;
 
-template <class T>
-__device__ __forceinline__ float to_float(T v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return __bfloat162float(__ushort_as_bfloat16(v.bits));
-  }
-}
-
-template <class T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    return BFloat16::from_bits(__bfloat16_as_ushort(__float2bfloat16_rn(v)));
-  }
-}
-
-template <class T, int N>
-struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Vec {
-  T v[N];
-};
-
+// The vector c of row `row` of a [rows, ld] operand.
 template <class T, int N>
 __device__ __forceinline__ Vec<T, N> load(const void* base, int64_t row, int64_t ld, int64_t c) {
-  return reinterpret_cast<const Vec<T, N>*>(static_cast<const T*>(base) + row * ld)[c];
+  return load_vec<T, N>(static_cast<const T*>(base) + row * ld, c);
 }
 
 template <class T, int N>
 __device__ __forceinline__ void store(void* base, int64_t row, int64_t ld, int64_t c, const Vec<T, N>& v) {
-  reinterpret_cast<Vec<T, N>*>(static_cast<T*>(base) + row * ld)[c] = v;
+  store_vec<T, N>(static_cast<T*>(base) + row * ld, c, v);
 }
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.f / (1.f + expf(-g)); }
@@ -100,13 +80,11 @@ bool vectorizable(int64_t cols, std::initializer_list<int64_t> lds, std::initial
   for (int64_t ld : lds)
     if (ld % kVec != 0) return false;
   for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+    if (!aligned(p, 16)) return false;
   return true;
 }
 
-dim3 grid_for(int64_t vectors_per_row, int64_t rows) {
-  return dim3(unsigned((vectors_per_row + kThreads - 1) / kThreads), unsigned(std::min<int64_t>(rows, kMaxGridY)));
-}
+dim3 grid_for(int64_t vectors_per_row, int64_t rows) { return grid_rows(vectors_per_row, rows, kThreads); }
 
 template <class F>
 void dispatch(DType t, F&& f) {
