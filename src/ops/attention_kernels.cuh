@@ -33,23 +33,68 @@
 // with fp32 atomics (red.global.add.v2.f32): not run-to-run deterministic (the
 // order of additions varies; differences are fp32 rounding).
 //
-// Registers (ptxas, sm_90a, CUDA 13.0): forward 214 (d 128) / 128 capped
-// (d 64, 2 CTAs/SM, 8-byte spill); backward 225-229 (d 64) / 255 (d 128, an
-// 8-byte spill in the causal variant). The printf of check_sequence costs
-// ~16 bytes of stack on the cold path.
+// Resources (ptxas -v, sm_90a, CUDA 13.0; regs / spill bytes / smem / CTAs
+// per SM; LDSM = ldmatrix.x4 per warp, counted in the SASS):
+//   fwd d 128: 214-216 / 0 / 102 KB / 1 (8 warps); 32 LDSM per 64 HMMA.
+//   fwd d 64:  254-255 / 0 / 54 KB / 2 (4 warps each, 8 warps per SM);
+//              32 LDSM per 128 HMMA (was 128 capped, 20-24 B spill, 8 warps
+//              x 16 rows, 2 CTAs = 16 warps per SM, 32 LDSM per 64 HMMA).
+//   bwd d 128: 255 / 0 (full), 4 B (causal; was 8) / 173 KB (was 155) / 1;
+//              per step 176 LDSM per 320 HMMA (was 184), 1 barrier (was 3).
+//   bwd d 64:  237-242 (was 225-229) / 0 / 109 KB (was 91) / 1; per step 88
+//              LDSM per 160 HMMA (was 96), 1 barrier (was 3).
+//   The printf of check_sequence costs ~16-24 bytes of stack on the cold path.
 //
-// What would be tuned next, measured on the H200 (none of this is measured
-// yet): the tile shapes in FwdConfig / BwdConfig (BM 128 with 2 m-tiles per
-// warp as FA2 does, so K and V fragments are reused twice from registers and
-// shared-memory traffic per FLOP halves; BN 128 for d = 64); an XOR swizzle
-// instead of padding (saves the 6% of shared memory that blocks a second
-// backward CTA per SM); the K and V tiles in registers in the backward for
-// d = 64; splitting the K and V cp.async groups so that the softmax overlaps
-// the V load; staging o through shared memory for 16-byte stores; a
-// persistent, longest-first tile scheduler for varlen batches; a
-// deterministic dq (a second kernel iterating key blocks per query block, at
-// 3 more products of the 5); and in the end a wgmma (sm_90a) rewrite with TMA
-// loads and warp specialisation (FA3).
+// Tuning done without a GPU to measure (2026-11), with the gain predicted from
+// the design (H200 before: fwd / bwd time vs torch SDPA FLASH, causal, 16
+// heads: d128 1x4096 0.99 / 0.72, d128 4x1024 0.96 / 0.78, d64 1x2048 0.84 /
+// 0.77, d64 4x512 0.98 / faster). Model: a warp's ldmatrix.x4 moves 512 B of
+// shared memory (4 of the SM's 128 B/clk), an m16n8k16 mma is 4096 FLOP, and
+// mma.sync peaks at ~2/3 of the dense bf16 rate, ~1.5 clk per mma per SM, so
+// more than ~0.37 LDSM per mma makes a loop shared-memory bound.
+//  1. Forward d = 64: each warp owns 2 m-tiles (32 query rows), BM 128 with 4
+//     warps (FA2's d 64 shape), so every K and V fragment feeds 2 mma: 0.25
+//     LDSM per mma instead of 0.5 (0.031 instead of 0.0625 B of shared memory
+//     per FLOP), and the 128-register cap and its spill are gone; warps per SM
+//     halve (16 -> 8), each with twice the independent mma. Predicted: d64
+//     fwd 77 -> ~64-68 us at 1x2048, 25.7 -> ~23 us at 4x512 (to ~0.95 of
+//     FLASH). Risk: less latency hiding at 8 warps per SM. d = 128 keeps one
+//     m-tile (two would need > 255 registers).
+//  2. Backward, dQ_partial split 2 x 4 warps (32 x 32 each) at d = 128
+//     instead of 4 x 2 (16 x 64): 32 instead of 40 LDSM per 64 mma in that
+//     product, 184 -> 176 per step (-4%).
+//  3. Backward, one barrier per step instead of three: dS^T is double
+//     buffered (+18 KB shared memory, still 1 CTA per SM at both d) and the
+//     dQ_partial of step it runs after the barrier of step it + 1; the Q / dO
+//     refill is issued after that barrier. The end-of-step barrier was
+//     redundant; the middle one (dS^T complete) now coincides with the next
+//     step's top barrier. The dQ product, its 16 (d 128) red.v2 per thread and
+//     the next step's S^T / dP^T of other warps now overlap instead of all 8
+//     warps draining at each barrier. Predicted: 5-10% of backward time.
+//  4. Backward d = 64: the warp's K and V A fragments stay in registers (32
+//     registers, no spill): 96 -> 88 LDSM per step (-8%).
+//  Predicted backward: d128 1x4096 1062 -> ~960-1000 us (0.72 -> ~0.78 of
+//  FLASH), d128 4x1024 350 -> ~320-330, d64 1x2048 221 -> ~195-205 (0.77 ->
+//  ~0.85), d64 4x512 81 -> ~75. fwd + bwd: d128 ~0.80-0.83, d64 ~0.85-0.9.
+//  If the GPU run shows a regression: FwdConfig::kMTiles / kWarps (1 / 8 with
+//  kMinBlocks 2 is the old d 64 forward), BwdConfig::kKVInRegs and kWarpsM
+//  (kBlockM / 16 is the old dQ split) are single constants.
+//
+// What would be tuned next: the backward is still shared-memory bound (0.55
+// LDSM per mma at d 128: every warp reads the whole Q and dO tile twice, as B
+// of S^T / dP^T and as B of dK / dV); FA2's layout (warps 2 x 4 over the 64 x
+// 128 S and dP tiles, P and dS through shared memory, dK / dV split 4 x 2 over
+// keys x d) needs ~144 LDSM + 32 stores per step (-18%); a second backward CTA
+// per SM is blocked by registers, not shared memory (d 64 at 128 registers
+// spills ~240 B); BN 128 for the d 64 forward (needs Q out of registers);
+// splitting the K and V cp.async groups so that the softmax overlaps the V
+// load; staging o through shared memory for 16-byte stores; red.v4 for dq
+// (pairs of lanes swap halves: half the red instructions, same sectors); a
+// persistent, longest-first tile scheduler for varlen batches (the backward
+// grid already starts the longest causal key blocks first); a deterministic
+// dq (a second kernel iterating key blocks per query block, at 3 more
+// products of the 5); and in the end a wgmma (sm_90a) rewrite with TMA loads
+// and warp specialisation (FA3).
 //
 // Host emulation: tests/ops/test_attention.cpp defines SLIME_ATTENTION_EMULATION
 // and runs these kernel bodies on the CPU (threads as fibers; ldmatrix, mma,
@@ -202,18 +247,20 @@ __device__ __forceinline__ void check_sequence(const int32_t* cu, int b, int num
 
 // ---- Forward -------------------------------------------------------------------
 
-// Tile shapes. Each warp owns 16 query rows (one m16 tile) and keeps its Q
-// fragments in registers; BM = 16 * warps. Shared memory: Q [BM, d+8] and
+// Tile shapes. Each warp owns kMTiles m16 tiles of query rows and keeps their
+// Q fragments in registers; BM = 16 * kMTiles * warps. Shared memory: Q [BM, d+8] and
 // kStages x (K, V) [BN, d+8].
 //   d = 128: BM 128, BN 64, 8 warps, 1 CTA/SM: 104 KB smem, <= 255 registers.
-//   d = 64:  BM 128, BN 64, 8 warps, 2 CTAs/SM: 54 KB smem, <= 128 registers.
+//   d = 64:  BM 128 (4 warps x 2 m-tiles), BN 64, 2 CTAs/SM: 54 KB smem,
+//            <= 255 registers.
 // Chosen by construction (as FA2's shapes), not yet by measurement.
 template <int kD>
 struct FwdConfig {
   static constexpr int kHeadDim = kD;
-  static constexpr int kWarps = 8;
+  static constexpr int kMTiles = kD == 64 ? 2 : 1;  // m-tiles of 16 query rows per warp
+  static constexpr int kWarps = kD == 64 ? 4 : 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockM = 16 * kMTiles * kWarps;
   static constexpr int kBlockN = 64;
   static constexpr int kStages = 2;
   static constexpr int kMinBlocks = kD == 64 ? 2 : 1;
@@ -268,23 +315,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
   cp_async_commit();
 
   const float scale_log2 = p.softmax_scale * kLog2e;
-  float acc_o[kD / 8][4];
+  constexpr int kMT = Cfg::kMTiles;  // m-tiles (16 rows each) per warp
+  float acc_o[kMT][kD / 8][4];
 #pragma unroll
-  for (int i = 0; i < kD / 8; ++i)
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[i][e] = 0.f;
-  // Per thread: rows g and g + 8 of the warp's 16. m_i is the running max of
-  // the raw scores (-inf until a visible key), l_i this thread's part of the
-  // running sum of exp2(score * scale_log2 - m_i * scale_log2).
-  float m_i[2] = {-INFINITY, -INFINITY};
-  float l_i[2] = {0.f, 0.f};
+    for (int i = 0; i < kD / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][i][e] = 0.f;
+  // Per thread and m-tile: rows g and g + 8 of the tile's 16. m_i is the
+  // running max of the raw scores (-inf until a visible key), l_i this
+  // thread's part of the running sum of exp2(score * scale_log2 - m_i * scale_log2).
+  float m_i[kMT][2], l_i[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m_i[mt][r] = -INFINITY;
+      l_i[mt][r] = 0.f;
+    }
   // Q fragments stay in registers for the whole key loop.
-  uint32_t qf[kD / 16][4];
+  uint32_t qf[kMT][kD / 16][4];
   cp_async_wait<1>();  // Q landed
   __syncthreads();
 #pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks)
-    ldmatrix_x4(qf[ks], sQ + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks)
+      ldmatrix_x4(qf[mt][ks], sQ + (warp * kMT + mt) * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
 
   for (int n = 0; n < n_blocks; ++n) {
     const int stage = n & 1;
@@ -303,75 +361,91 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
     const bf16* sKs = sK + stage * kBN * kStride;
     const bf16* sVs = sV + stage * kBN * kStride;
 
-    // S = Q K^T for the warp's 16 rows x kBN keys.
-    float s[kBN / 8][4];
+    // S = Q K^T for the warp's kMT x 16 rows x kBN keys; each K fragment
+    // feeds kMT m-tiles.
+    float s[kMT][kBN / 8][4];
 #pragma unroll
-    for (int i = 0; i < kBN / 8; ++i)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[i][e] = 0.f;
+      for (int i = 0; i < kBN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][i][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
 #pragma unroll
       for (int j = 0; j < kBN / 16; ++j) {
         uint32_t kb[4];
         ldmatrix_x4(kb, sKs + 16 * j * kStride + lane_off_n16(lane, kStride) + ks * 16);
-        mma_bf16(s[2 * j], qf[ks], kb[0], kb[1]);
-        mma_bf16(s[2 * j + 1], qf[ks], kb[2], kb[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_bf16(s[mt][2 * j], qf[mt][ks], kb[0], kb[1]);
+          mma_bf16(s[mt][2 * j + 1], qf[mt][ks], kb[2], kb[3]);
+        }
       }
     }
 
     // Mask: only tiles holding a key some row of the block must not see.
     if ((n + 1) * kBN > full_end) {
 #pragma unroll
-      for (int i = 0; i < kBN / 8; ++i)
+      for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = row0 + warp * 16 + (lane >> 2) + (e >> 1) * 8;
-          const int key = n * kBN + i * 8 + 2 * (lane & 3) + (e & 1);
-          if (key >= mask.key_end(row, len_k)) s[i][e] = -INFINITY;
-        }
+        for (int i = 0; i < kBN / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = row0 + (warp * kMT + mt) * 16 + (lane >> 2) + (e >> 1) * 8;
+            const int key = n * kBN + i * 8 + 2 * (lane & 3) + (e & 1);
+            if (key >= mask.key_end(row, len_k)) s[mt][i][e] = -INFINITY;
+          }
     }
 
     // Online softmax in the log2 domain.
-    float m_scaled[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = m_i[r];
+    for (int mt = 0; mt < kMT; ++mt) {
+      float m_scaled[2];
 #pragma unroll
-      for (int i = 0; i < kBN / 8; ++i) mx = fmaxf(mx, fmaxf(s[i][2 * r], s[i][2 * r + 1]));
-      mx = quad_max(mx);
-      // A row with no visible key yet keeps max -inf; subtracting 0 instead
-      // keeps every exp2 argument -inf (-> 0) rather than NaN.
-      m_scaled[r] = mx == -INFINITY ? 0.f : mx * scale_log2;
-      const float corr = exp2f(m_i[r] * scale_log2 - m_scaled[r]);  // 0 while m_i = -inf
-      m_i[r] = mx;
-      l_i[r] *= corr;
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_i[mt][r];
 #pragma unroll
-      for (int i = 0; i < kD / 8; ++i) {
-        acc_o[i][2 * r] *= corr;
-        acc_o[i][2 * r + 1] *= corr;
+        for (int i = 0; i < kBN / 8; ++i) mx = fmaxf(mx, fmaxf(s[mt][i][2 * r], s[mt][i][2 * r + 1]));
+        mx = quad_max(mx);
+        // A row with no visible key yet keeps max -inf; subtracting 0 instead
+        // keeps every exp2 argument -inf (-> 0) rather than NaN.
+        m_scaled[r] = mx == -INFINITY ? 0.f : mx * scale_log2;
+        const float corr = exp2f(m_i[mt][r] * scale_log2 - m_scaled[r]);  // 0 while m_i = -inf
+        m_i[mt][r] = mx;
+        l_i[mt][r] *= corr;
+#pragma unroll
+        for (int i = 0; i < kD / 8; ++i) {
+          acc_o[mt][i][2 * r] *= corr;
+          acc_o[mt][i][2 * r + 1] *= corr;
+        }
       }
+#pragma unroll
+      for (int i = 0; i < kBN / 8; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pv = exp2f(fmaf(s[mt][i][e], scale_log2, -m_scaled[e >> 1]));
+          s[mt][i][e] = pv;
+          l_i[mt][e >> 1] += pv;
+        }
     }
-#pragma unroll
-    for (int i = 0; i < kBN / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pv = exp2f(fmaf(s[i][e], scale_log2, -m_scaled[e >> 1]));
-        s[i][e] = pv;
-        l_i[e >> 1] += pv;
-      }
 
-      // O += P V: P straight from the S registers, V by ldmatrix.trans.
+    // O += P V: P straight from the S registers, V by ldmatrix.trans; each V
+    // fragment feeds kMT m-tiles.
 #pragma unroll
     for (int kk = 0; kk < kBN / 16; ++kk) {
-      uint32_t pa[4];
-      c_pair_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+      uint32_t pa[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) c_pair_to_a(pa[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
       for (int j = 0; j < kD / 16; ++j) {
         uint32_t vb[4];
         ldmatrix_x4_trans(vb, sVs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
-        mma_bf16(acc_o[2 * j], pa, vb[0], vb[1]);
-        mma_bf16(acc_o[2 * j + 1], pa, vb[2], vb[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma_bf16(acc_o[mt][2 * j], pa[mt], vb[0], vb[1]);
+          mma_bf16(acc_o[mt][2 * j + 1], pa[mt], vb[2], vb[3]);
+        }
       }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
@@ -382,20 +456,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
   // no visible key (l = 0) gets o = 0, lse = -inf.
   bf16* gO = static_cast<bf16*>(p.o) + int64_t(q0) * q_stride + h * kD;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(l_i[r]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (m_i[r] * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-    const int row = row0 + warp * 16 + (lane >> 2) + 8 * r;
-    if (row < len_q) {
-      bf16* o_row = gO + int64_t(row) * q_stride;
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int i = 0; i < kD / 8; ++i)
-        *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane & 3)) =
-            pack_bf16(acc_o[i][2 * r] * inv, acc_o[i][2 * r + 1] * inv);
-      if ((lane & 3) == 0) p.lse[int64_t(q0 + row) * p.heads_q + h] = lse;
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(l_i[mt][r]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float lse = l > 0.f ? (m_i[mt][r] * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+      const int row = row0 + (warp * kMT + mt) * 16 + (lane >> 2) + 8 * r;
+      if (row < len_q) {
+        bf16* o_row = gO + int64_t(row) * q_stride;
+#pragma unroll
+        for (int i = 0; i < kD / 8; ++i)
+          *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane & 3)) =
+              pack_bf16(acc_o[mt][i][2 * r] * inv, acc_o[mt][i][2 * r + 1] * inv);
+        if ((lane & 3) == 0) p.lse[int64_t(q0 + row) * p.heads_q + h] = lse;
+      }
     }
-  }
 }
 
 #if !defined(SLIME_ATTENTION_EMULATION)
@@ -465,11 +541,12 @@ __global__ void attention_bwd_dq_kernel(const float* acc, bf16* dq, int64_t n, f
 //   S^T = K Q^T, dP^T = V dO^T                      (A = K, V; B = Q, dO rows)
 //   P^T = exp2(S^T scale_log2 - lse_log2) (kept as bf16), dS^T = P^T (dP^T - D)
 //   dV += P^T dO, dK += dS^T Q                      (A = P^T, dS^T registers)
-// dS^T goes to shared memory; then dQ_partial = dS K over the kBN keys, split
-// over the warps by rows and columns, is added to the fp32 dq accumulator with
+// dS^T goes to shared memory (two buffers); dQ_partial = dS K over the kBN
+// keys, split over the warps by rows and columns, is computed at the start of
+// the next step (after its barrier) and added to the fp32 dq accumulator with
 // atomics.
-//   d = 128: BN 128 (8 warps), BM 64: 158 KB smem, 1 CTA/SM (FA2's shape).
-//   d = 64:  BN 128 (8 warps), BM 64: 92 KB smem, 1 CTA/SM (registers).
+//   d = 128: BN 128 (8 warps), BM 64: 173 KB smem, 1 CTA/SM (FA2's shape).
+//   d = 64:  BN 128 (8 warps), BM 64: 109 KB smem, 1 CTA/SM (registers).
 template <int kD>
 struct BwdConfig {
   static constexpr int kHeadDim = kD;
@@ -478,14 +555,22 @@ struct BwdConfig {
   static constexpr int kBlockN = 16 * kWarps;  // keys per CTA
   static constexpr int kBlockM = 64;           // query rows per step
   static constexpr int kMinBlocks = 1;
+  static constexpr bool kKVInRegs = kD == 64;
   static constexpr int kStride = kD + 8;
-  static constexpr int kStrideS = kBlockM + 8;  // dS^T [kBlockN][kBlockM + 8]
-  static constexpr int kWarpsM = kBlockM / 16;  // dQ: warps along query rows
+  static constexpr int kStrideS = kBlockM + 8;  // dS^T [2][kBlockN][kBlockM + 8]
+  // dQ_partial [kBlockM, kD]: warps kWarpsM (query rows) x kWarpsN (columns),
+  // each kDqTiles m-tiles of 16 rows x kDqCols columns. d = 128: 2 x 4 warps,
+  // 32 x 32 per warp (16 + 16 ldmatrix.x4 per 64 mma instead of 8 + 32 for
+  // 16 x 64); d = 64: 4 x 2, 16 x 32 (24 per 32 mma either way).
+  static constexpr int kWarpsM = kD == 128 ? 2 : kBlockM / 16;
   static constexpr int kWarpsN = kWarps / kWarpsM;
+  static constexpr int kDqTiles = kBlockM / 16 / kWarpsM;
   static constexpr int kDqCols = kD / kWarpsN;
-  static constexpr int kSmemBytes = ((2 * kBlockN + 4 * kBlockM) * kStride + kBlockN * kStrideS) * int(sizeof(bf16)) +
-                                    4 * kBlockM * int(sizeof(float));
-  static_assert(kWarps % kWarpsM == 0 && kDqCols % 16 == 0, "dQ tile must split evenly over the warps");
+  static constexpr int kSmemBytes =
+      ((2 * kBlockN + 4 * kBlockM) * kStride + 2 * kBlockN * kStrideS) * int(sizeof(bf16)) +
+      4 * kBlockM * int(sizeof(float));
+  static_assert(kWarps % kWarpsM == 0 && kDqCols % 16 == 0 && kDqTiles * kWarpsM * 16 == kBlockM,
+                "dQ tile must split evenly over the warps");
   static_assert(kBlockM % 16 == 0 && kBlockM <= kThreads, "one thread per query row loads lse and D");
 };
 
@@ -496,13 +581,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   constexpr int kStride = Cfg::kStride, kStrideS = Cfg::kStrideS, kThreads = Cfg::kThreads;
   const AttentionForwardParams& p = bp.fwd;
   SLIME_ATTENTION_DYNAMIC_SMEM(smem_raw);
-  bf16* sK = reinterpret_cast<bf16*>(smem_raw);                  // [kBN][kStride]
-  bf16* sV = sK + kBN * kStride;                                 // [kBN][kStride]
-  bf16* sQ = sV + kBN * kStride;                                 // [2][kBM][kStride]
-  bf16* sdO = sQ + 2 * kBM * kStride;                            // [2][kBM][kStride]
-  bf16* sdS = sdO + 2 * kBM * kStride;                           // [kBN][kStrideS]
-  float* sLse = reinterpret_cast<float*>(sdS + kBN * kStrideS);  // [2][kBM], log2 domain
-  float* sDelta = sLse + 2 * kBM;                                // [2][kBM]
+  bf16* sK = reinterpret_cast<bf16*>(smem_raw);                      // [kBN][kStride]
+  bf16* sV = sK + kBN * kStride;                                     // [kBN][kStride]
+  bf16* sQ = sV + kBN * kStride;                                     // [2][kBM][kStride]
+  bf16* sdO = sQ + 2 * kBM * kStride;                                // [2][kBM][kStride]
+  bf16* sdS = sdO + 2 * kBM * kStride;                               // [2][kBN][kStrideS]
+  float* sLse = reinterpret_cast<float*>(sdS + 2 * kBN * kStrideS);  // [2][kBM], log2 domain
+  float* sDelta = sLse + 2 * kBM;                                    // [2][kBM]
 
   const int n_block = blockIdx.x, b = blockIdx.y, hk = blockIdx.z;
   const int q0 = p.cu_seqlens_q[b], len_q = p.cu_seqlens_q[b + 1] - q0;
@@ -583,169 +668,216 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   }
   cp_async_commit();
 
-  constexpr int kWarpsM = Cfg::kWarpsM, kDqCols = Cfg::kDqCols;
+  constexpr int kWarpsM = Cfg::kWarpsM, kDqCols = Cfg::kDqCols, kDqTiles = Cfg::kDqTiles;
   const int wm = warp % kWarpsM, wn = warp / kWarpsM;
+  // d = 64: the warp's K and V A fragments (16 keys x d) stay in registers
+  // for the whole loop (32 registers); at d = 128 they would take 64.
+  constexpr bool kKVRegs = Cfg::kKVInRegs;
+  uint32_t kvf[kKVRegs ? 2 : 1][kKVRegs ? kD / 16 : 1][4];
 
-  for (int it = 0; it < n_iter; ++it) {
+  // One barrier per step: step it's dQ_partial (which needs every warp's
+  // dS^T) is computed at the start of step it + 1, after its barrier, from the
+  // other dS^T buffer; the loop runs one extra step for the last dQ.
+  //   Q, dO of buffer b: refilled (for step it + 1) after the barrier of step
+  //     it; last read by step it - 1, before that barrier.
+  //   lse, D of buffer b: stored at the end of step it for step it + 1; last
+  //     read by step it - 1; read after the barrier of step it + 1.
+  //   dS^T of buffer b: written in step it, read (dQ) in step it + 1 after
+  //     its barrier, rewritten in step it + 2 after the next barrier.
+  for (int it = 0; it <= n_iter; ++it) {
     const int buf = it & 1;
+    cp_async_wait<0>();  // this thread's copies for step it landed
+    __syncthreads();
+    if constexpr (kKVRegs) {
+      if (it == 0) {
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks) {
+          ldmatrix_x4(kvf[0][ks], sK + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+          ldmatrix_x4(kvf[1][ks], sV + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+        }
+      }
+    }
     float next_lse = INFINITY, next_dlt = 0.f;
     if (it + 1 < n_iter) {
       load_tiles(it + 1, buf ^ 1);
       load_row_stats(it + 1, next_lse, next_dlt);
     }
     cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
 
-    const int h = hk * group + it / n_m;
-    const int m = m_begin + it % n_m;
-    const int row0 = m * kBM;
-    const bf16* sQs = sQ + buf * kBM * kStride;
-    const bf16* sdOs = sdO + buf * kBM * kStride;
-    const float* sLs = sLse + buf * kBM;
-    const float* sDs = sDelta + buf * kBM;
+    if (it > 0) {
+      const int itq = it - 1;
+      const int h = hk * group + itq / n_m;
+      const int row0 = (m_begin + itq % n_m) * kBM;
+      const bf16* sdSq = sdS + (itq & 1) * kBN * kStrideS;
+      // dQ_partial [kBM, d] = dS [kBM, kBN] K [kBN, d]; warp (wm, wn) owns rows
+      // 16 (kDqTiles wm + mt)..+15 for mt < kDqTiles and columns kDqCols wn..
+      // +kDqCols, so each K fragment feeds kDqTiles m-tiles. A = dS from dS^T by
+      // ldmatrix.trans (matrices: keys 0-7 / queries 0-7, keys 0-7 / queries 8-15,
+      // keys 8-15 / queries 0-7, keys 8-15 / queries 8-15), B = K by .trans.
+      float acc_dq[kDqTiles][kDqCols / 8][4];
+#pragma unroll
+      for (int mt = 0; mt < kDqTiles; ++mt)
+#pragma unroll
+        for (int i = 0; i < kDqCols / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_dq[mt][i][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk) {
+        uint32_t kb[kDqCols / 16][4];
+#pragma unroll
+        for (int j = 0; j < kDqCols / 16; ++j)
+          ldmatrix_x4_trans(kb[j], sK + 16 * kk * kStride + lane_off_m16(lane, kStride) + wn * kDqCols + 16 * j);
+#pragma unroll
+        for (int mt = 0; mt < kDqTiles; ++mt) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, sdSq + 16 * kk * kStrideS + lane_off_n16(lane, kStrideS) + (wm * kDqTiles + mt) * 16);
+#pragma unroll
+          for (int j = 0; j < kDqCols / 16; ++j) {
+            mma_bf16(acc_dq[mt][2 * j], a, kb[j][0], kb[j][1]);
+            mma_bf16(acc_dq[mt][2 * j + 1], a, kb[j][2], kb[j][3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < kDqTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = row0 + (wm * kDqTiles + mt) * 16 + (lane >> 2) + 8 * r;
+          if (row < len_q) {
+            float* dst = dq_acc + int64_t(row) * q_stride + h * kD + wn * kDqCols + 2 * (lane & 3);
+#pragma unroll
+            for (int i = 0; i < kDqCols / 8; ++i)
+              atomicAdd(reinterpret_cast<float2*>(dst + i * 8),
+                        make_float2(acc_dq[mt][i][2 * r], acc_dq[mt][i][2 * r + 1]));
+          }
+        }
+    }
 
-    // S^T = K Q^T for the warp's 16 keys x kBM queries, turned in place into
-    // P^T and kept only as bf16 A fragments (the operand of dV and, read back,
-    // of dS), so that S^T and dP^T in fp32 are never live together (register
-    // pressure: dK and dV take 128 registers at d = 128). Element (i, e) of a
-    // C tile array: key 16 warp + g + 8 (e / 2), query 8 i + 2 t + e % 2.
-    uint32_t pa[kBM / 16][4];
-    {
-      float st[kBM / 8][4];
+    if (it < n_iter) {
+      const int m = m_begin + it % n_m;
+      const int row0 = m * kBM;
+      const bf16* sQs = sQ + buf * kBM * kStride;
+      const bf16* sdOs = sdO + buf * kBM * kStride;
+      const float* sLs = sLse + buf * kBM;
+      const float* sDs = sDelta + buf * kBM;
+      bf16* sdSs = sdS + buf * kBN * kStrideS;
+
+      // S^T = K Q^T for the warp's 16 keys x kBM queries, turned in place into
+      // P^T and kept only as bf16 A fragments (the operand of dV and, read back,
+      // of dS), so that S^T and dP^T in fp32 are never live together (register
+      // pressure: dK and dV take 128 registers at d = 128). Element (i, e) of a
+      // C tile array: key 16 warp + g + 8 (e / 2), query 8 i + 2 t + e % 2.
+      uint32_t pa[kBM / 16][4];
+      {
+        float st[kBM / 8][4];
+#pragma unroll
+        for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[i][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks) {
+          uint32_t ka[4];
+          if constexpr (kKVRegs) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ka[e] = kvf[0][ks][e];
+          } else {
+            ldmatrix_x4(ka, sK + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+          }
+#pragma unroll
+          for (int j = 0; j < kBM / 16; ++j) {
+            uint32_t qb[4];
+            ldmatrix_x4(qb, sQs + 16 * j * kStride + lane_off_n16(lane, kStride) + ks * 16);
+            mma_bf16(st[2 * j], ka, qb[0], qb[1]);
+            mma_bf16(st[2 * j + 1], ka, qb[2], qb[3]);
+          }
+        }
+        const bool need_mask = key0 + kBN > mask.key_end(row0, len_k);
+#pragma unroll
+        for (int i = 0; i < kBM / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int qc = i * 8 + 2 * (lane & 3) + (e & 1);
+            float pv = exp2f(fmaf(st[i][e], scale_log2, -sLs[qc]));
+            if (need_mask) {
+              const int key = key0 + warp * 16 + (lane >> 2) + (e >> 1) * 8;
+              if (key >= mask.key_end(row0 + qc, len_k)) pv = 0.f;
+            }
+            st[i][e] = pv;
+          }
+#pragma unroll
+        for (int kk = 0; kk < kBM / 16; ++kk) c_pair_to_a(pa[kk], st[2 * kk], st[2 * kk + 1]);
+      }
+
+      // dV += P^T dO (B = dO by ldmatrix.trans).
+#pragma unroll
+      for (int kk = 0; kk < kBM / 16; ++kk)
+#pragma unroll
+        for (int j = 0; j < kD / 16; ++j) {
+          uint32_t ob[4];
+          ldmatrix_x4_trans(ob, sdOs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
+          mma_bf16(acc_dv[2 * j], pa[kk], ob[0], ob[1]);
+          mma_bf16(acc_dv[2 * j + 1], pa[kk], ob[2], ob[3]);
+        }
+
+      // dP^T = V dO^T, then dS^T = P^T (dP^T - D) without the softmax scale, P^T
+      // read back from its bf16 fragments (element (i, e) is in register
+      // 2 (i % 2) + e / 2 of pa[i / 2], half e % 2).
+      float dpt[kBM / 8][4];
 #pragma unroll
       for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) st[i][e] = 0.f;
+        for (int e = 0; e < 4; ++e) dpt[i][e] = 0.f;
 #pragma unroll
       for (int ks = 0; ks < kD / 16; ++ks) {
-        uint32_t ka[4];
-        ldmatrix_x4(ka, sK + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+        uint32_t va[4];
+        if constexpr (kKVRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) va[e] = kvf[1][ks][e];
+        } else {
+          ldmatrix_x4(va, sV + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+        }
 #pragma unroll
         for (int j = 0; j < kBM / 16; ++j) {
-          uint32_t qb[4];
-          ldmatrix_x4(qb, sQs + 16 * j * kStride + lane_off_n16(lane, kStride) + ks * 16);
-          mma_bf16(st[2 * j], ka, qb[0], qb[1]);
-          mma_bf16(st[2 * j + 1], ka, qb[2], qb[3]);
+          uint32_t ob[4];
+          ldmatrix_x4(ob, sdOs + 16 * j * kStride + lane_off_n16(lane, kStride) + ks * 16);
+          mma_bf16(dpt[2 * j], va, ob[0], ob[1]);
+          mma_bf16(dpt[2 * j + 1], va, ob[2], ob[3]);
         }
       }
-      const bool need_mask = key0 + kBN > mask.key_end(row0, len_k);
 #pragma unroll
       for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int qc = i * 8 + 2 * (lane & 3) + (e & 1);
-          float pv = exp2f(fmaf(st[i][e], scale_log2, -sLs[qc]));
-          if (need_mask) {
-            const int key = key0 + warp * 16 + (lane >> 2) + (e >> 1) * 8;
-            if (key >= mask.key_end(row0 + qc, len_k)) pv = 0.f;
-          }
-          st[i][e] = pv;
+          const uint32_t w = pa[i / 2][2 * (i % 2) + (e >> 1)];
+          const float pv = (e & 1) ? bf16_hi(w) : bf16_lo(w);
+          dpt[i][e] = pv * (dpt[i][e] - sDs[i * 8 + 2 * (lane & 3) + (e & 1)]);
         }
-#pragma unroll
-      for (int kk = 0; kk < kBM / 16; ++kk) c_pair_to_a(pa[kk], st[2 * kk], st[2 * kk + 1]);
-    }
 
-    // dV += P^T dO (B = dO by ldmatrix.trans).
+        // dK += dS^T Q (B = Q by ldmatrix.trans).
 #pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk)
+      for (int kk = 0; kk < kBM / 16; ++kk) {
+        uint32_t dsa[4];
+        c_pair_to_a(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
-      for (int j = 0; j < kD / 16; ++j) {
-        uint32_t ob[4];
-        ldmatrix_x4_trans(ob, sdOs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
-        mma_bf16(acc_dv[2 * j], pa[kk], ob[0], ob[1]);
-        mma_bf16(acc_dv[2 * j + 1], pa[kk], ob[2], ob[3]);
-      }
-
-    // dP^T = V dO^T, then dS^T = P^T (dP^T - D) without the softmax scale, P^T
-    // read back from its bf16 fragments (element (i, e) is in register
-    // 2 (i % 2) + e / 2 of pa[i / 2], half e % 2).
-    float dpt[kBM / 8][4];
-#pragma unroll
-    for (int i = 0; i < kBM / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[i][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      uint32_t va[4];
-      ldmatrix_x4(va, sV + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
-#pragma unroll
-      for (int j = 0; j < kBM / 16; ++j) {
-        uint32_t ob[4];
-        ldmatrix_x4(ob, sdOs + 16 * j * kStride + lane_off_n16(lane, kStride) + ks * 16);
-        mma_bf16(dpt[2 * j], va, ob[0], ob[1]);
-        mma_bf16(dpt[2 * j + 1], va, ob[2], ob[3]);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kBM / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t w = pa[i / 2][2 * (i % 2) + (e >> 1)];
-        const float pv = (e & 1) ? bf16_hi(w) : bf16_lo(w);
-        dpt[i][e] = pv * (dpt[i][e] - sDs[i * 8 + 2 * (lane & 3) + (e & 1)]);
+        for (int j = 0; j < kD / 16; ++j) {
+          uint32_t qb[4];
+          ldmatrix_x4_trans(qb, sQs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
+          mma_bf16(acc_dk[2 * j], dsa, qb[0], qb[1]);
+          mma_bf16(acc_dk[2 * j + 1], dsa, qb[2], qb[3]);
+        }
       }
 
-      // dK += dS^T Q (B = Q by ldmatrix.trans).
+      // dS^T -> shared memory, bf16 (the same rounding as the dK product).
 #pragma unroll
-    for (int kk = 0; kk < kBM / 16; ++kk) {
-      uint32_t dsa[4];
-      c_pair_to_a(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
+      for (int i = 0; i < kBM / 8; ++i)
 #pragma unroll
-      for (int j = 0; j < kD / 16; ++j) {
-        uint32_t qb[4];
-        ldmatrix_x4_trans(qb, sQs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
-        mma_bf16(acc_dk[2 * j], dsa, qb[0], qb[1]);
-        mma_bf16(acc_dk[2 * j + 1], dsa, qb[2], qb[3]);
-      }
+        for (int r = 0; r < 2; ++r) {
+          const int key = warp * 16 + (lane >> 2) + 8 * r;
+          *reinterpret_cast<uint32_t*>(sdSs + key * kStrideS + i * 8 + 2 * (lane & 3)) =
+              pack_bf16(dpt[i][2 * r], dpt[i][2 * r + 1]);
+        }
     }
-
-    // dS^T -> shared memory, bf16 (the same rounding as the dK product).
-#pragma unroll
-    for (int i = 0; i < kBM / 8; ++i)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int key = warp * 16 + (lane >> 2) + 8 * r;
-        *reinterpret_cast<uint32_t*>(sdS + key * kStrideS + i * 8 + 2 * (lane & 3)) =
-            pack_bf16(dpt[i][2 * r], dpt[i][2 * r + 1]);
-      }
-    __syncthreads();
-
-    // dQ_partial [kBM, d] = dS [kBM, kBN] K [kBN, d]; warp (wm, wn) owns rows
-    // 16 wm..+15 and columns kDqCols wn..+kDqCols. A = dS from dS^T by
-    // ldmatrix.trans (matrices: keys 0-7 / queries 0-7, keys 0-7 / queries 8-15,
-    // keys 8-15 / queries 0-7, keys 8-15 / queries 8-15), B = K by .trans.
-    float acc_dq[kDqCols / 8][4];
-#pragma unroll
-    for (int i = 0; i < kDqCols / 8; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_dq[i][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4_trans(a, sdS + 16 * kk * kStrideS + lane_off_n16(lane, kStrideS) + wm * 16);
-#pragma unroll
-      for (int j = 0; j < kDqCols / 16; ++j) {
-        uint32_t kb[4];
-        ldmatrix_x4_trans(kb, sK + 16 * kk * kStride + lane_off_m16(lane, kStride) + wn * kDqCols + 16 * j);
-        mma_bf16(acc_dq[2 * j], a, kb[0], kb[1]);
-        mma_bf16(acc_dq[2 * j + 1], a, kb[2], kb[3]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + wm * 16 + (lane >> 2) + 8 * r;
-      if (row < len_q) {
-        float* dst = dq_acc + int64_t(row) * q_stride + h * kD + wn * kDqCols + 2 * (lane & 3);
-#pragma unroll
-        for (int i = 0; i < kDqCols / 8; ++i)
-          atomicAdd(reinterpret_cast<float2*>(dst + i * 8), make_float2(acc_dq[i][2 * r], acc_dq[i][2 * r + 1]));
-      }
-    }
-    // Buffer buf ^ 1's lse and D were last read in step it - 1, before the
-    // barrier above; the barrier below orders these stores before step it + 1.
     if (it + 1 < n_iter) store_row_stats(buf ^ 1, next_lse, next_dlt);
-    __syncthreads();  // sdS and this buffer are free again
   }
   cp_async_wait<0>();
 

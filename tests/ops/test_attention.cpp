@@ -527,10 +527,12 @@ TEST_CASE("attention rejects bad inputs with clear errors", "[ops][attention]") 
 // ---- The CUDA kernels, run on the CPU ------------------------------------------
 // src/ops/attention_kernels.cuh compiled as host code (SLIME_ATTENTION_EMULATION)
 // with a small emulator: a CTA's threads are fibers (ucontext) on this thread,
-// switching only at barriers, in a shuffled order each round; __syncthreads and
+// switching only at barriers, in a shuffled order each round, each warp with
+// its own random speed (so warps drift apart between barriers); __syncthreads and
 // the warp collectives are barriers; ldmatrix (.trans), mma.m16n8k16 (bf16 ->
-// fp32) and shfl.xor follow the PTX ISA's fragment definitions; cp.async copies
-// land at cp.async.wait_group (so a read before the wait sees stale data), with
+// fp32) and shfl.xor follow the PTX ISA's fragment definitions; a cp.async group
+// lands at its commit or at cp.async.wait_group (at random: a read before the
+// wait may see stale data, a refill may clobber a buffer still being read), with
 // a zero fill for src-size 0; shared memory starts as 0xff bytes (NaN). This
 // checks the kernels' index math, masking, pipelining order and tile skipping
 // against the reference where no GPU exists; it says nothing about speed.
@@ -559,6 +561,8 @@ struct Fiber {
   bool done = false;
   std::vector<std::vector<Copy>> groups;  // committed cp.async groups, oldest first
   std::vector<Copy> open;
+  const long* wait_gen = nullptr;  // the barrier generation it waits to change
+  long wait_val = 0;
 };
 struct Warp {
   int arrived = 0;
@@ -602,7 +606,11 @@ void arrive_and_wait(S& s, int count) {
     s.arrived = 0;
     ++s.gen;
   } else {
+    Fiber& f = (*fibers)[std::size_t(cur)];
+    f.wait_gen = &s.gen;
+    f.wait_val = gen;
     while (s.gen == gen) yield();
+    f.wait_gen = nullptr;
   }
 }
 inline void sync_cta() { arrive_and_wait(*cta, cta->threads); }
@@ -619,21 +627,30 @@ inline void cp_async(void* dst, const void* src, bool full) {
   if (!in_smem(dst, 16) || !aligned16(dst) || !aligned16(src)) fail("cp.async address outside smem or misaligned");
   (*fibers)[std::size_t(cur)].open.push_back({dst, src, full});
 }
+inline void land(const Copy& c) {
+  if (c.full) {
+    std::memcpy(c.dst, c.src, 16);
+  } else {
+    std::memset(c.dst, 0, 16);
+  }
+}
+// A committed group lands either at once (half the groups: the earliest the
+// hardware may write, which exposes refills of a buffer that another warp may
+// still read) or at cp.async.wait_group (the latest, exposing reads before
+// the wait).
 inline void cp_commit() {
   Fiber& f = (*fibers)[std::size_t(cur)];
+  if (rng() & 1) {
+    for (const Copy& c : f.open) land(c);
+    f.open.clear();
+  }
   f.groups.push_back(std::move(f.open));
   f.open.clear();
 }
 inline void cp_wait(int pending) {
   Fiber& f = (*fibers)[std::size_t(cur)];
   while (int(f.groups.size()) > pending) {
-    for (const Copy& c : f.groups.front()) {
-      if (c.full) {
-        std::memcpy(c.dst, c.src, 16);
-      } else {
-        std::memset(c.dst, 0, 16);
-      }
-    }
+    for (const Copy& c : f.groups.front()) land(c);
     f.groups.erase(f.groups.begin());
   }
 }
@@ -712,6 +729,7 @@ inline void fiber_main() {
 // locals live across them.
 [[gnu::noinline]] inline void start_fiber(Fiber& f) {
   f.done = false;
+  f.wait_gen = nullptr;
   f.groups.clear();
   f.open.clear();
   getcontext(&f.ctx);
@@ -745,17 +763,36 @@ inline void launch(Dim3 g, int threads, std::size_t smem_bytes, const std::funct
         cta = &c;
         fibers = &fs;
         for (Fiber& f : fs) start_fiber(f);
+        // Each warp gets a speed: the chance that its threads run in a round
+        // (one warp of the CTA 0.03, the others 0.5 to 1). The slow warp lags
+        // the others by hundreds of warp collectives between two barriers, so
+        // a shared-memory write that no barrier orders after another warp's
+        // read of the same data (or the reverse) shows as wrong results.
+        // Threads blocked at a barrier are not resumed until it opens.
+        const std::size_t warps = c.warps.size();
+        std::vector<double> speed(warps);
+        std::vector<char> run(warps);
+        std::uniform_real_distribution<double> uni(0.0, 1.0);
+        for (double& sp : speed) sp = 0.5 + 0.5 * uni(rng);
+        speed[std::size_t(rng() % warps)] = 0.03;
         for (;;) {
           const long before = progress;
-          bool all_done = true;
+          bool all_done = true, skipped = false;
           std::shuffle(order.begin(), order.end(), rng);
+          for (std::size_t w = 0; w < warps; ++w) run[w] = uni(rng) < speed[w];
           for (int i : order) {
-            if (fs[std::size_t(i)].done) continue;
+            const Fiber& f = fs[std::size_t(i)];
+            if (f.done) continue;
             all_done = false;
+            if (f.wait_gen != nullptr && *f.wait_gen == f.wait_val) continue;  // blocked
+            if (!run[std::size_t(i / 32)]) {
+              skipped = true;
+              continue;
+            }
             resume(i);
           }
           if (all_done) break;
-          if (progress == before) fail("deadlock: a barrier that not every thread reaches");
+          if (progress == before && !skipped) fail("deadlock: a barrier that not every thread reaches");
         }
       }
 }
