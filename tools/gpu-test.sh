@@ -92,23 +92,7 @@ gpu_count() {
 
 # A port P with P and P+1 free (torchrun's store on P, slime's bootstrap on P+1).
 free_port_pair() {
-  python3 - <<'PY' 2>/dev/null || echo $((20000 + RANDOM % 40000))
-import random, socket
-def free(p):
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("", p))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
-for _ in range(500):
-    p = random.randint(20000, 60000)
-    if free(p) and free(p + 1):
-        print(p)
-        break
-PY
+  python3 tools/free-port-pair.py 2>/dev/null || echo $((20000 + RANDOM % 40000))
 }
 
 GPUS=$(gpu_count)
