@@ -163,6 +163,25 @@ TEST_CASE("karmarkar_karp keeps its spread within the largest weight on large in
   }
 }
 
+TEST_CASE("karmarkar_karp with thousands of parts keeps its invariants") {
+  // The packer's one-rank case: ~14 items per part, so most merges add one
+  // item to a full tuple (the heap path of detail::KkTuple).
+  for (int k : {3000, 7000}) {
+    for (int shape = 0; shape < 4; ++shape) {
+      const std::vector<int64_t> w = random_weights(100000, uint64_t(k + shape), shape, 2000);
+      const int64_t max_w = *std::max_element(w.begin(), w.end());
+      for (bool equal : {false, true}) {
+        const Partition p = karmarkar_karp(w, k, equal);
+        check_partition(p, w, k);
+        REQUIRE(std::is_sorted(p.sums.begin(), p.sums.end(), std::greater<>()));
+        REQUIRE(p.spread() <= max_w);
+        const Partition again = karmarkar_karp(w, k, equal);
+        REQUIRE(again.parts == p.parts);
+      }
+    }
+  }
+}
+
 TEST_CASE("karmarkar_karp is deterministic and handles empty and degenerate inputs") {
   const std::vector<int64_t> w = random_weights(3000, 7, 1, 500);
   const Partition a = karmarkar_karp(w, 16), b = karmarkar_karp(w, 16);
