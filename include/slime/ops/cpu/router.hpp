@@ -1,0 +1,166 @@
+// slime/ops/cpu/router.hpp: CPU reference of the Qwen3-MoE router (softmax
+// over experts, top-k, optional renormalisation) and of the load-balancing
+// auxiliary loss, forward and backward, on raw pointers.
+//
+// Accumulation contract: parameter gradients accumulate (`+=`) in fp32 (the
+// router has none here; the gate weight's gradient is a Linear's); activation
+// gradients are written (`=`), or added (`+=`) where a function takes
+// `accumulate` and it is true.
+//
+// Follows transformers' modeling_qwen3_moe.py (commit 00d4b3d2142c, the file
+// generated from modular_qwen3_moe.py):
+//   Qwen3MoeSparseMoeBlock.forward:
+//     router_logits   = self.gate(hidden_states)             (hidden dtype)
+//     routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+//     routing_weights, selected_experts = torch.topk(routing_weights, top_k)
+//     if norm_topk_prob: routing_weights /= routing_weights.sum(-1, keepdim)
+//     routing_weights = routing_weights.to(hidden_states.dtype)
+//   load_balancing_loss_func (attention_mask = None):
+//     p = softmax(gate_logits); selected = topk(p, top_k)
+//     tokens_per_expert [k, E] = mean over rows of one_hot(selected)
+//     router_prob_per_expert [E] = mean over rows of p
+//     loss = num_experts * Σ tokens_per_expert · router_prob_per_expert
+//          = E · Σ_e (count_e / N) · (Σ_t p[t, e] / N)
+//   where count_e = how many of the N·k (row, slot) choices picked e (so a
+//   perfectly balanced router gives loss = k, not 1).
+// Probabilities are kept in P (float, or double for the finite-difference
+// tests). Top-k ties go to the lower expert index (torch.topk leaves the
+// order of ties unspecified).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "slime/ops/cpu/elementwise.hpp"
+
+namespace slime::ops::cpu {
+
+// The probability / accumulator type for logits of type T.
+template <class T>
+using router_acc_t = memops::acc_t<T>;
+
+// For each of `tokens` rows of logits [tokens, experts]:
+//   probs[t, :]    = softmax(logits[t, :])                      (in P)
+//   indices[t, j]  = the expert with the j-th largest probability
+//   weights[t, j]  = probs[t, indices[t, j]], divided by Σ_j of those when
+//                    norm_topk_prob; rounded once into TW.
+// Requires 1 <= k <= experts.
+template <class T, class P, class TW>
+void router_forward(const T* logits, int64_t tokens, int64_t experts, int64_t k, bool norm_topk_prob, P* probs,
+                    int32_t* indices, TW* weights) {
+  std::vector<char> taken(static_cast<std::size_t>(experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* l = logits + t * experts;
+    P* p = probs + t * experts;
+    P mx = memops::to_acc<P>(l[0]);
+    for (int64_t e = 1; e < experts; ++e) mx = std::fmax(mx, memops::to_acc<P>(l[e]));
+    P sum = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      p[e] = std::exp(memops::to_acc<P>(l[e]) - mx);
+      sum += p[e];
+    }
+    for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+    std::fill(taken.begin(), taken.end(), char(0));
+    P sel_sum = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e)
+        if (!taken[std::size_t(e)] && (best < 0 || p[e] > p[best])) best = e;
+      taken[std::size_t(best)] = 1;
+      indices[t * k + j] = int32_t(best);
+      sel_sum += p[best];
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      const P w = p[indices[t * k + j]];
+      weights[t * k + j] = memops::from_acc<TW>(norm_topk_prob ? w / sel_sum : w);
+    }
+  }
+}
+
+// Gradient of router_forward's weights with respect to the logits, the top-k
+// selection held constant (it is not differentiable):
+//   dp[e]  = Σ_j [indices[t, j] = e] · g_j, with g_j = dweights[t, j], or with
+//            renormalisation (w_j = p_j / S, S = Σ_i p_i) g_j = (dw_j − Σ_i dw_i w_i) / S
+//   dlogits[t, e] = p[e] · (dp[e] − Σ_f p[f] dp[f])   (= or += with accumulate)
+template <class P, class TW, class TG>
+void router_backward(const P* probs, const int32_t* indices, const TW* dweights, int64_t tokens, int64_t experts,
+                     int64_t k, bool norm_topk_prob, TG* dlogits, bool accumulate = false) {
+  std::vector<P> dp(static_cast<std::size_t>(experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const P* p = probs + t * experts;
+    const int32_t* idx = indices + t * k;
+    const TW* dw = dweights + t * k;
+    std::fill(dp.begin(), dp.end(), P(0));
+    if (norm_topk_prob) {
+      P s = 0, c = 0;
+      for (int64_t j = 0; j < k; ++j) s += p[idx[j]];
+      for (int64_t j = 0; j < k; ++j) c += memops::to_acc<P>(dw[j]) * (p[idx[j]] / s);
+      for (int64_t j = 0; j < k; ++j) dp[std::size_t(idx[j])] += (memops::to_acc<P>(dw[j]) - c) / s;
+    } else {
+      for (int64_t j = 0; j < k; ++j) dp[std::size_t(idx[j])] += memops::to_acc<P>(dw[j]);
+    }
+    P dot = 0;
+    for (int64_t e = 0; e < experts; ++e) dot += p[e] * dp[std::size_t(e)];
+    TG* out = dlogits + t * experts;
+    for (int64_t e = 0; e < experts; ++e) {
+      const P g = p[e] * (dp[std::size_t(e)] - dot);
+      out[e] = memops::from_acc<TG>(accumulate ? memops::to_acc<P>(out[e]) + g : g);
+    }
+  }
+}
+
+// Per-expert statistics of the auxiliary loss over `rows` rows: counts[e] =
+// number of (row, slot) choices of e; prob_sum[e] = Σ_t probs[t, e].
+template <class P>
+void router_aux_stats(const P* probs, const int32_t* indices, int64_t rows, int64_t experts, int64_t k,
+                      std::vector<int64_t>& counts, std::vector<P>& prob_sum) {
+  counts.assign(static_cast<std::size_t>(experts), 0);
+  prob_sum.assign(static_cast<std::size_t>(experts), P(0));
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t j = 0; j < k; ++j) ++counts[std::size_t(indices[t * k + j])];
+    for (int64_t e = 0; e < experts; ++e) prob_sum[std::size_t(e)] += probs[t * experts + e];
+  }
+}
+
+// loss = E · Σ_e (counts[e] / rows) · (prob_sum[e] / rows); 0 when rows = 0
+// (transformers would give NaN, a mean over nothing).
+template <class P>
+P router_aux_loss_forward(const P* probs, const int32_t* indices, int64_t rows, int64_t experts, int64_t k) {
+  if (rows == 0) return P(0);
+  std::vector<int64_t> counts;
+  std::vector<P> prob_sum;
+  router_aux_stats(probs, indices, rows, experts, k, counts, prob_sum);
+  P loss = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    loss += (P(counts[std::size_t(e)]) / P(rows)) * (prob_sum[std::size_t(e)] / P(rows));
+  return P(experts) * loss;
+}
+
+// dlogits[t, e] of dloss · loss, through the mean probabilities only (the
+// counts come from top-k and are constant): with g_e = dloss · E · counts[e] /
+// rows², dlogits[t, e] = p[t, e] · (g_e − Σ_f p[t, f] g_f) (= or += with
+// accumulate).
+template <class P, class TG>
+void router_aux_loss_backward(const P* probs, const int32_t* indices, int64_t rows, int64_t experts, int64_t k, P dloss,
+                              TG* dlogits, bool accumulate = false) {
+  if (rows == 0) return;
+  std::vector<int64_t> counts;
+  std::vector<P> prob_sum, g(static_cast<std::size_t>(experts));
+  router_aux_stats(probs, indices, rows, experts, k, counts, prob_sum);
+  for (int64_t e = 0; e < experts; ++e)
+    g[std::size_t(e)] = dloss * P(experts) * P(counts[std::size_t(e)]) / (P(rows) * P(rows));
+  for (int64_t t = 0; t < rows; ++t) {
+    const P* p = probs + t * experts;
+    P dot = 0;
+    for (int64_t e = 0; e < experts; ++e) dot += p[e] * g[std::size_t(e)];
+    TG* out = dlogits + t * experts;
+    for (int64_t e = 0; e < experts; ++e) {
+      const P d = p[e] * (g[std::size_t(e)] - dot);
+      out[e] = memops::from_acc<TG>(accumulate ? memops::to_acc<P>(out[e]) + d : d);
+    }
+  }
+}
+
+}  // namespace slime::ops::cpu

@@ -1,0 +1,168 @@
+// slime/ops/grouped_gemm.hpp: the grouped GEMM over experts with ragged group
+// sizes (a MoE layer's expert projections), forward, input gradient and
+// weight gradient. CPU only for now: CUDA tensors throw "<op>: the CUDA path
+// is not implemented yet; use CPU tensors".
+//
+// Accumulation contract: parameter gradients accumulate (`+=`) into fp32
+// tensors (dw); activation gradients are written (`=`), or added (`+=`) when
+// `accumulate` is true.
+//
+// Shapes: x [N, K], rows grouped by expert: group e is rows [offsets[e],
+// offsets[e+1]) with offsets i32 [E + 1] (MoeLayout::offsets), offsets[0] = 0,
+// non-decreasing, offsets[E] = N; w [E, Nout, K] (per expert nn.Linear's
+// out × in); y [N, Nout].
+//   grouped_gemm_forward          y_g  = x_g · w_eᵀ
+//   grouped_gemm_backward_input   dx_g = dy_g · w_e       (+= with accumulate)
+//   grouped_gemm_backward_weight  dw_e += dy_gᵀ · x_g     (dw f32)
+// x, w and dy share one dtype, bf16 or f32; y and dx are that dtype or f32.
+// A group with no rows is normal. Sums in fp32, rounded once; deterministic.
+// The CPU path validates the offsets' contents.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "slime/core/tensor.hpp"
+#include "slime/ops/cpu/grouped_gemm.hpp"
+
+namespace slime::ops {
+
+namespace detail::grouped_gemm {
+
+[[noreturn]] inline void cuda_not_implemented(std::string_view op) {
+  SLIME_FAIL(op, ": the CUDA path is not implemented yet; use CPU tensors");
+}
+
+inline bool overlap(const Tensor& a, const Tensor& b) {
+  if (!a.shares_storage_with(b) || a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto* pa = static_cast<const char*>(a.data_ptr());
+  const auto* pb = static_cast<const char*>(b.data_ptr());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+// w [E, Nout, K] bf16 or f32 (or dw f32 when `is_grad`).
+inline void check_weight(const Tensor& w, std::string_view name, std::string_view op) {
+  SLIME_CHECK(w.defined(), op, ": ", name, " is undefined");
+  SLIME_CHECK(w.dim() == 3 && w.size(0) >= 1, op, ": ", name,
+              " must be 3-D [experts, out_features, in_features] with at least one expert, got ", w.str());
+}
+
+// offsets i32 [E + 1] on `like`'s device; on the CPU, 0 = offsets[0] <= ... <=
+// offsets[E] = rows.
+inline void check_offsets(const Tensor& offsets, int64_t experts, int64_t rows, const Tensor& like,
+                          std::string_view op) {
+  SLIME_CHECK(offsets.defined(), op, ": offsets is undefined");
+  SLIME_CHECK(offsets.dtype() == DType::i32 && offsets.shape() == Shape{experts + 1}, op,
+              ": offsets must be i32 [experts + 1 = ", experts + 1, "], got ", offsets.str());
+  check_same_device(offsets, like, std::string(op) + ": offsets", "the data");
+  if (offsets.device().is_cuda()) return;
+  const int32_t* o = offsets.data<int32_t>();
+  SLIME_CHECK(o[0] == 0, op, ": offsets[0] = ", o[0], ", expected 0");
+  for (int64_t e = 0; e < experts; ++e)
+    SLIME_CHECK(o[e + 1] >= o[e], op, ": offsets must be non-decreasing, got offsets[", e, "] = ", o[e], " > offsets[",
+                e + 1, "] = ", o[e + 1]);
+  SLIME_CHECK(o[experts] == rows, op, ": offsets[", experts, "] = ", o[experts], ", expected the row count ", rows);
+}
+
+// t [rows, features] of dtype `dt` on w's device.
+inline void check_act(const Tensor& t, std::string_view name, int64_t rows, int64_t features, DType dt, const Tensor& w,
+                      std::string_view op) {
+  SLIME_CHECK(t.defined(), op, ": ", name, " is undefined");
+  SLIME_CHECK(t.dim() == 2 && (rows < 0 || t.size(0) == rows) && t.size(1) == features, op, ": ", name,
+              " must have shape [", rows < 0 ? std::string("rows") : std::to_string(rows), ", ", features, "], got ",
+              t.str());
+  SLIME_CHECK(t.dtype() == dt, op, ": ", name, " must be ", dtype_name(dt), ", got ", t.str());
+  check_same_device(t, w, std::string(op) + ": " + std::string(name), "w");
+}
+
+inline void check_in_dtype(const Tensor& t, std::string_view name, std::string_view op) {
+  SLIME_CHECK(t.dtype() == DType::bf16 || t.dtype() == DType::f32, op, ": ", name, " must be bf16 or f32, got ",
+              t.str());
+}
+
+// Calls f(T{}, TOut{}) for (f32, f32), (bf16, bf16), (bf16, f32).
+template <class F>
+void visit(DType in, DType out, std::string_view op, F&& f) {
+  if (in == DType::f32 && out == DType::f32) return f(float{}, float{});
+  if (in == DType::bf16 && out == DType::bf16) return f(BFloat16{}, BFloat16{});
+  if (in == DType::bf16 && out == DType::f32) return f(BFloat16{}, float{});
+  SLIME_FAIL(op, ": unsupported dtypes: inputs ", dtype_name(in), ", output ", dtype_name(out),
+             " (supported: bf16 or f32 inputs; output the input dtype or f32)");
+}
+
+}  // namespace detail::grouped_gemm
+
+// y [N, Nout] = per group x_g [n_e, K] · w[e]ᵀ.
+inline void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& y,
+                                 [[maybe_unused]] const Stream& stream = {}) {
+  constexpr std::string_view op = "grouped_gemm_forward";
+  namespace g = detail::grouped_gemm;
+  g::check_weight(w, "w", op);
+  g::check_in_dtype(w, "w", op);
+  const int64_t experts = w.size(0), out_f = w.size(1), in_f = w.size(2);
+  g::check_act(x, "x", -1, in_f, w.dtype(), w, op);
+  const int64_t rows = x.size(0);
+  SLIME_CHECK(y.defined() && y.dim() == 2 && y.size(0) == rows && y.size(1) == out_f, op, ": y must have shape [", rows,
+              ", ", out_f, "], got ", y.str());
+  check_same_device(y, w, "grouped_gemm_forward: y", "w");
+  SLIME_CHECK(!g::overlap(y, x) && !g::overlap(y, w), op, ": y overlaps x or w");
+  g::check_offsets(offsets, experts, rows, w, op);
+  if (w.device().is_cuda()) g::cuda_not_implemented(op);
+  g::visit(w.dtype(), y.dtype(), op, [&](auto in_tag, auto out_tag) {
+    using T = decltype(in_tag);
+    using TOut = decltype(out_tag);
+    cpu::grouped_gemm_forward(x.data<T>(), w.data<T>(), offsets.data<int32_t>(), experts, out_f, in_f, y.data<TOut>());
+  });
+}
+
+// dx [N, K] = per group dy_g [n_e, Nout] · w[e] (dx += with accumulate).
+inline void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx,
+                                        bool accumulate = false, [[maybe_unused]] const Stream& stream = {}) {
+  constexpr std::string_view op = "grouped_gemm_backward_input";
+  namespace g = detail::grouped_gemm;
+  g::check_weight(w, "w", op);
+  g::check_in_dtype(w, "w", op);
+  const int64_t experts = w.size(0), out_f = w.size(1), in_f = w.size(2);
+  g::check_act(dy, "dy", -1, out_f, w.dtype(), w, op);
+  const int64_t rows = dy.size(0);
+  SLIME_CHECK(dx.defined() && dx.dim() == 2 && dx.size(0) == rows && dx.size(1) == in_f, op, ": dx must have shape [",
+              rows, ", ", in_f, "], got ", dx.str());
+  check_same_device(dx, w, "grouped_gemm_backward_input: dx", "w");
+  SLIME_CHECK(!g::overlap(dx, dy) && !g::overlap(dx, w), op, ": dx overlaps dy or w");
+  g::check_offsets(offsets, experts, rows, w, op);
+  if (w.device().is_cuda()) g::cuda_not_implemented(op);
+  g::visit(w.dtype(), dx.dtype(), op, [&](auto in_tag, auto out_tag) {
+    using T = decltype(in_tag);
+    using TOut = decltype(out_tag);
+    cpu::grouped_gemm_backward_input(dy.data<T>(), w.data<T>(), offsets.data<int32_t>(), experts, out_f, in_f,
+                                     dx.data<TOut>(), accumulate);
+  });
+}
+
+// dw [E, Nout, K] f32 += per group dy_gᵀ · x_g (always accumulates; zero it
+// before the first micro-batch). Experts with no rows are left as they are.
+inline void grouped_gemm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& offsets, const Tensor& dw,
+                                         [[maybe_unused]] const Stream& stream = {}) {
+  constexpr std::string_view op = "grouped_gemm_backward_weight";
+  namespace g = detail::grouped_gemm;
+  g::check_weight(dw, "dw", op);
+  SLIME_CHECK(dw.dtype() == DType::f32, op, ": dw must be f32 (parameter gradients accumulate in fp32), got ",
+              dw.str());
+  const int64_t experts = dw.size(0), out_f = dw.size(1), in_f = dw.size(2);
+  SLIME_CHECK(x.defined(), op, ": x is undefined");
+  g::check_in_dtype(x, "x", op);
+  g::check_act(x, "x", -1, in_f, x.dtype(), dw, op);
+  const int64_t rows = x.size(0);
+  g::check_act(dy, "dy", rows, out_f, x.dtype(), dw, op);
+  SLIME_CHECK(!g::overlap(dw, dy) && !g::overlap(dw, x), op, ": dw overlaps dy or x");
+  g::check_offsets(offsets, experts, rows, dw, op);
+  if (dw.device().is_cuda()) g::cuda_not_implemented(op);
+  g::visit(x.dtype(), x.dtype(), op, [&](auto in_tag, auto) {
+    using T = decltype(in_tag);
+    cpu::grouped_gemm_backward_weight(dy.data<T>(), x.data<T>(), offsets.data<int32_t>(), experts, out_f, in_f,
+                                      dw.data<float>());
+  });
+}
+
+}  // namespace slime::ops

@@ -1,0 +1,195 @@
+// slime/ops/router.hpp: the Qwen3-MoE router (softmax over experts, top-k,
+// optional renormalisation of the top-k weights) and the load-balancing
+// auxiliary loss, forward and backward. CPU only for now: CUDA tensors throw
+// "<op>: the CUDA path is not implemented yet; use CPU tensors".
+//
+// Accumulation contract: parameter gradients accumulate (`+=`) into fp32
+// tensors (the gate weight's, through linear_backward_weight); activation
+// gradients are written (`=`), or added (`+=`) when `accumulate` is true.
+//
+// Exactly transformers' Qwen3MoeSparseMoeBlock.forward and
+// load_balancing_loss_func (modeling_qwen3_moe.py; formulas and the commit
+// followed are in ops/cpu/router.hpp):
+//   logits  [T, E]  = hidden · gate.weightᵀ, in the hidden dtype (HF: the gate
+//                     is an nn.Linear in the model dtype, so bf16 logits for a
+//                     bf16 model); compute them with linear_forward (a bf16
+//                     output matches HF, an f32 output is more precise).
+//   probs   [T, E]  = softmax(logits) in fp32 (HF: dtype=torch.float), kept
+//                     for the backward and the auxiliary loss.
+//   indices [T, k]  = top-k experts by probability, descending; ties go to
+//                     the lower expert id. i32.
+//   weights [T, k]  = the top-k probabilities, divided by their sum when
+//                     norm_topk_prob, cast to the hidden dtype (the logits'
+//                     dtype; f32 also allowed).
+//   aux loss        = E · Σ_e (count_e / N) · (mean_t probs[t, e]) over N rows,
+//                     count_e = number of the N·k choices that picked e; the
+//                     caller multiplies by router_aux_loss_coef. HF evaluates
+//                     it once over the logits of all MoE layers concatenated:
+//                     put every layer's probs and indices in one [L·T, E] /
+//                     [L·T, k] buffer (router_forward takes slice_rows views)
+//                     and call the aux functions on the whole buffer.
+// Differences from HF: the aux loss uses the router's fp32 probabilities and
+// its top-k (HF recomputes softmax in the logits' dtype and its own top-k,
+// which can differ on rounding ties); 0 rows give loss 0 (HF: NaN).
+// Gradients treat the top-k selection as constant; the aux loss's gradient
+// flows only through the mean probabilities (the counts are constant).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string_view>
+
+#include "slime/core/tensor.hpp"
+#include "slime/ops/cpu/router.hpp"
+
+namespace slime::ops {
+
+namespace detail::moe_router {
+
+[[noreturn]] inline void cuda_not_implemented(std::string_view op) {
+  SLIME_FAIL(op, ": the CUDA path is not implemented yet; use CPU tensors");
+}
+
+inline void check_2d(const Tensor& t, std::string_view op, std::string_view name, std::string_view dims) {
+  SLIME_CHECK(t.defined(), op, ": ", name, " is undefined");
+  SLIME_CHECK(t.dim() == 2, op, ": ", name, " must be 2-D ", dims, ", got ", t.str());
+}
+
+inline void check_f32_bf16(const Tensor& t, std::string_view op, std::string_view name) {
+  SLIME_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16, op, ": ", name, " must be f32 or bf16, got ",
+              t.str());
+}
+
+// probs [rows, E] f32 and indices [rows, k] i32 with 1 <= k <= E, one device.
+inline void check_probs_indices(const Tensor& probs, const Tensor& indices, std::string_view op) {
+  check_2d(probs, op, "probs", "[rows, experts]");
+  SLIME_CHECK(probs.dtype() == DType::f32, op, ": probs must be f32, got ", probs.str());
+  check_2d(indices, op, "indices", "[rows, k]");
+  SLIME_CHECK(indices.dtype() == DType::i32, op, ": indices must be i32, got ", indices.str());
+  SLIME_CHECK(indices.size(0) == probs.size(0), op, ": indices must have ", probs.size(0), " rows (probs's), got ",
+              indices.str());
+  SLIME_CHECK(probs.size(1) >= 1, op, ": probs needs at least one expert, got ", probs.str());
+  SLIME_CHECK(indices.size(1) >= 1 && indices.size(1) <= probs.size(1), op, ": k = ", indices.size(1),
+              " (indices dim 1) must be in [1, num_experts = ", probs.size(1), "]");
+  check_same_device(probs, indices, std::string(op) + ": probs", "indices");
+}
+
+// Every expert id in [0, E) (the CPU path reads them as array indices).
+inline void check_ids(const Tensor& indices, int64_t experts, std::string_view op) {
+  const int32_t* p = indices.data<int32_t>();
+  for (int64_t i = 0; i < indices.numel(); ++i)
+    SLIME_CHECK(p[i] >= 0 && p[i] < experts, op, ": indices[", i / indices.size(1), ", ", i % indices.size(1),
+                "] = ", p[i], " is not an expert id in [0, ", experts, ")");
+}
+
+// A gradient of the logits: [rows, E], f32 or bf16.
+inline void check_dlogits(const Tensor& dlogits, const Tensor& probs, std::string_view op) {
+  SLIME_CHECK(dlogits.defined(), op, ": dlogits is undefined");
+  SLIME_CHECK(dlogits.shape() == probs.shape(), op, ": dlogits must have shape ", probs.shape(), " (probs's), got ",
+              dlogits.str());
+  check_f32_bf16(dlogits, op, "dlogits");
+  check_same_device(dlogits, probs, std::string(op) + ": dlogits", "probs");
+}
+
+template <class F>
+void visit_f32_bf16(DType t, F&& f) {
+  if (t == DType::f32) {
+    f(float{});
+  } else {
+    f(BFloat16{});
+  }
+}
+
+}  // namespace detail::moe_router
+
+// probs [T, E] f32, indices [T, k] i32 and weights [T, k] (logits' dtype or
+// f32) from logits [T, E] (bf16 or f32); k = indices.size(1), 1 <= k <= E.
+inline void router_forward(const Tensor& logits, bool norm_topk_prob, const Tensor& probs, const Tensor& indices,
+                           const Tensor& weights, [[maybe_unused]] const Stream& stream = {}) {
+  constexpr std::string_view op = "router_forward";
+  namespace r = detail::moe_router;
+  r::check_2d(logits, op, "logits", "[tokens, experts]");
+  r::check_f32_bf16(logits, op, "logits");
+  SLIME_CHECK(probs.defined() && probs.shape() == logits.shape(), op, ": probs must have shape ", logits.shape(),
+              " (logits's), got ", probs.str());
+  r::check_probs_indices(probs, indices, op);
+  const int64_t tokens = logits.size(0), experts = logits.size(1), k = indices.size(1);
+  SLIME_CHECK(weights.defined() && weights.shape() == indices.shape(), op, ": weights must have shape ",
+              indices.shape(), " (indices's), got ", weights.str());
+  SLIME_CHECK(weights.dtype() == logits.dtype() || weights.dtype() == DType::f32, op,
+              ": weights must be the logits' dtype or f32, got ", weights.str(), " for logits ", logits.str());
+  check_same_device(logits, probs, "router_forward: logits", "probs");
+  check_same_device(logits, weights, "router_forward: logits", "weights");
+  if (logits.device().is_cuda()) r::cuda_not_implemented(op);
+  r::visit_f32_bf16(logits.dtype(), [&](auto lt) {
+    using T = decltype(lt);
+    r::visit_f32_bf16(weights.dtype(), [&](auto wt) {
+      using TW = decltype(wt);
+      cpu::router_forward(logits.data<T>(), tokens, experts, k, norm_topk_prob, probs.data<float>(),
+                          indices.data<int32_t>(), weights.data<TW>());
+    });
+  });
+}
+
+// dlogits [T, E] (bf16 or f32; = or += with accumulate) from dweights [T, k]
+// (the gradient of router_forward's weights; bf16 or f32), the saved probs
+// and indices, and the same norm_topk_prob. The top-k selection is constant.
+inline void router_backward(const Tensor& probs, const Tensor& indices, const Tensor& dweights, bool norm_topk_prob,
+                            const Tensor& dlogits, bool accumulate = false,
+                            [[maybe_unused]] const Stream& stream = {}) {
+  constexpr std::string_view op = "router_backward";
+  namespace r = detail::moe_router;
+  r::check_probs_indices(probs, indices, op);
+  SLIME_CHECK(dweights.defined() && dweights.shape() == indices.shape(), op, ": dweights must have shape ",
+              indices.shape(), " (indices's), got ", dweights.str());
+  r::check_f32_bf16(dweights, op, "dweights");
+  check_same_device(dweights, probs, "router_backward: dweights", "probs");
+  r::check_dlogits(dlogits, probs, op);
+  if (probs.device().is_cuda()) r::cuda_not_implemented(op);
+  r::check_ids(indices, probs.size(1), op);
+  r::visit_f32_bf16(dweights.dtype(), [&](auto wt) {
+    using TW = decltype(wt);
+    r::visit_f32_bf16(dlogits.dtype(), [&](auto gt) {
+      using TG = decltype(gt);
+      cpu::router_backward(probs.data<float>(), indices.data<int32_t>(), dweights.data<TW>(), probs.size(0),
+                           probs.size(1), indices.size(1), norm_topk_prob, dlogits.data<TG>(), accumulate);
+    });
+  });
+}
+
+// loss (f32, one element) = the auxiliary load-balancing loss over the rows of
+// probs [N, E] and indices [N, k] (not yet multiplied by router_aux_loss_coef).
+inline void router_aux_loss_forward(const Tensor& probs, const Tensor& indices, const Tensor& loss,
+                                    [[maybe_unused]] const Stream& stream = {}) {
+  constexpr std::string_view op = "router_aux_loss_forward";
+  namespace r = detail::moe_router;
+  r::check_probs_indices(probs, indices, op);
+  SLIME_CHECK(loss.defined() && loss.dtype() == DType::f32 && loss.numel() == 1, op,
+              ": loss must be an f32 tensor of one element, got ", loss.str());
+  check_same_device(loss, probs, "router_aux_loss_forward: loss", "probs");
+  if (probs.device().is_cuda()) r::cuda_not_implemented(op);
+  r::check_ids(indices, probs.size(1), op);
+  *loss.data<float>() = cpu::router_aux_loss_forward(probs.data<float>(), indices.data<int32_t>(), probs.size(0),
+                                                     probs.size(1), indices.size(1));
+}
+
+// dlogits [N, E] (bf16 or f32; = or += with accumulate) of dloss · aux loss;
+// pass dloss = router_aux_loss_coef (times the upstream gradient). To add it
+// to router_backward's gradient with one rounding, use an f32 dlogits and
+// accumulate = true on the second call.
+inline void router_aux_loss_backward(const Tensor& probs, const Tensor& indices, float dloss, const Tensor& dlogits,
+                                     bool accumulate = false, [[maybe_unused]] const Stream& stream = {}) {
+  constexpr std::string_view op = "router_aux_loss_backward";
+  namespace r = detail::moe_router;
+  r::check_probs_indices(probs, indices, op);
+  r::check_dlogits(dlogits, probs, op);
+  if (probs.device().is_cuda()) r::cuda_not_implemented(op);
+  r::check_ids(indices, probs.size(1), op);
+  r::visit_f32_bf16(dlogits.dtype(), [&](auto gt) {
+    using TG = decltype(gt);
+    cpu::router_aux_loss_backward(probs.data<float>(), indices.data<int32_t>(), probs.size(0), probs.size(1),
+                                  indices.size(1), dloss, dlogits.data<TG>(), accumulate);
+  });
+}
+
+}  // namespace slime::ops
