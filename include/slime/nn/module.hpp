@@ -38,11 +38,25 @@ enum class ParamInit : uint8_t { normal, ones };
 
 // One trainable tensor: `value` in the module's dtype, `grad` fp32 of the same
 // shape on the same device (undefined until ensure_grad / zero_grad).
+//
+// Stacked expert weights: a Parameter whose name contains "{}" (e.g.
+// "model.layers.0.mlp.experts.{}.up_proj.weight", value [E_local, out, in])
+// stacks along dim 0 the HF tensors named with "{}" replaced by
+// first_expert + i, i in [0, E_local) (expert parallelism holds a slice).
 struct Parameter {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.mlp.up_proj.weight"
   Tensor value;
   Tensor grad;
   ParamInit init = ParamInit::normal;
+  int64_t first_expert = 0;  // stacked expert weights only (see above)
+
+  bool is_expert_stack() const { return name.find("{}") != std::string::npos; }
+  // The HF name of stack entry i (requires is_expert_stack()).
+  std::string expert_name(int64_t i) const {
+    const auto at = name.find("{}");
+    SLIME_CHECK(at != std::string::npos, "parameter '", name, "' is not a stacked expert weight");
+    return name.substr(0, at) + std::to_string(first_expert + i) + name.substr(at + 2);
+  }
 
   // Allocates a zero gradient when there is none; returns it.
   Tensor& ensure_grad(const Stream& stream = {}) {
