@@ -1,0 +1,340 @@
+// slime/rollout/engine.hpp: Engine, batched generation for Qwen3 with the
+// trainer's own kernels (true on-policy): prefill through the packed
+// attention, decode against a KV cache (rollout/kv_arena.hpp), continuous
+// batching (finished sequences leave, waiting ones join at every step).
+//
+// A step runs the model once over every running sequence's new tokens (a
+// newly admitted sequence's whole prompt, or a decoding sequence's last
+// token), with the same modules and ops as Qwen3Model::forward, row for row:
+// embedding, per layer RMSNorm -> attention (q/k/v projections, q/k norms,
+// RoPE at the tokens' positions, keys and values appended to the arena,
+// attention of the new queries over the sequence's cached + new keys) ->
+// residual -> RMSNorm -> MLP (or the MoE block) -> residual, final norm. Then
+// for each sequence's last row: logits (f32) -> sampling (rollout/sampling.hpp)
+// on the host -> the sampled token's logprob from the fused lm-head op
+// (ops::token_logprobs at the request's temperature; temperature 0 reports
+// the temperature-1 logprob), the quantity the trainer recomputes.
+//
+// On the CPU every op computes each row independently of the others, in the
+// same order, so the engine's logprob of a sampled token equals the trainer's
+// recompute (Qwen3Model::token_logprobs over the packed prompt + completion)
+// bit for bit; test_rollout checks it. On CUDA the GEMMs (cuBLAS) may choose
+// different kernels for different row counts and the attention's key-block
+// split depends on the query length, so the two agree to bf16 rounding;
+// bench/ reports the largest difference measured.
+//
+// Requests are validated one by one: an empty prompt, a prompt that leaves no
+// room for one new token in the context, max_new_tokens < 1, a token id
+// outside the vocabulary, or a sequence longer than the KV arena fails that
+// request (Completion::error says why) and leaves the others running.
+//
+// Randomness: sample s's token at step i uses Philox word i of the stream keyed
+// by (seed, s.sample_id), so a completion depends on its request, the weights
+// and the seed only, not on the batch it ran in.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "slime/nn/qwen3.hpp"
+#include "slime/ops/attention.hpp"
+#include "slime/ops/elementwise.hpp"
+#include "slime/ops/index_rows.hpp"
+#include "slime/ops/linear.hpp"
+#include "slime/ops/rope.hpp"
+#include "slime/ops/token_logprobs.hpp"
+#include "slime/rollout/kv_arena.hpp"
+#include "slime/rollout/sampling.hpp"
+
+namespace slime::rollout {
+
+struct EngineConfig {
+  int64_t max_batch = 64;   // sequences running at once
+  int64_t max_context = 0;  // prompt + completion tokens per sequence; 0: max_position_embeddings
+  int64_t kv_capacity = 0;  // KV arena rows per layer; 0: max_batch * max_context
+  uint64_t seed = 0;        // sampling seed (with each request's sample_id)
+};
+
+struct Request {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  uint64_t sample_id = 0;  // keys the sample's random stream; unique per sample of a rollout
+};
+
+enum class FinishReason : uint8_t { stop, length, error };
+
+struct Completion {
+  uint64_t sample_id = 0;
+  std::vector<int32_t> tokens;  // generated tokens (a stop token included)
+  std::vector<float> logprobs;  // log p(token) at the request's temperature, one per token
+  FinishReason finish = FinishReason::length;
+  std::string error;           // why the request failed (finish == error)
+  int64_t weight_version = 0;  // the engine's weight version when the request finished
+};
+
+class Engine {
+ public:
+  // Generates with `model` (the engine's own weights; weight sync writes into
+  // them). The model must outlive the engine.
+  Engine(nn::Qwen3Model& model, EngineConfig cfg = {}) : model_(&model), cfg_(cfg) {
+    const auto& c = model.config();
+    if (cfg_.max_context <= 0) cfg_.max_context = c.max_position_embeddings;
+    SLIME_CHECK(cfg_.max_batch >= 1, "Engine: max_batch must be >= 1, got ", cfg_.max_batch);
+    SLIME_CHECK(cfg_.max_context >= 2, "Engine: max_context must be >= 2, got ", cfg_.max_context);
+    if (cfg_.kv_capacity <= 0) cfg_.kv_capacity = cfg_.max_batch * cfg_.max_context;
+    SLIME_CHECK(cfg_.kv_capacity <= int64_t(INT32_MAX), "Engine: kv_capacity ", cfg_.kv_capacity,
+                " rows does not fit the i32 cu_seqlens");
+  }
+
+  const EngineConfig& config() const { return cfg_; }
+  nn::Qwen3Model& model() { return *model_; }
+  int64_t weight_version() const { return weight_version_; }
+  void set_weight_version(int64_t v) { weight_version_ = v; }
+
+  // Runs every request to completion; results in request order.
+  std::vector<Completion> generate(const std::vector<Request>& requests, const Stream& stream = {}) {
+    ensure_arena();
+    std::vector<Completion> out(requests.size());
+    std::deque<std::size_t> waiting;
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      out[i].sample_id = requests[i].sample_id;
+      if (std::string why = invalid_reason(requests[i]); !why.empty()) {
+        fail(out[i], why);
+      } else {
+        waiting.push_back(i);
+      }
+    }
+    std::vector<Running> running;
+    while (!waiting.empty() || !running.empty()) {
+      admit(requests, waiting, running, out);
+      if (running.empty()) continue;  // everything left failed to fit
+      step(requests, running, out, stream);
+      // Finished sequences leave; their regions return to the arena.
+      std::vector<Running> still;
+      for (Running& r : running) {
+        if (r.done) {
+          alloc_.release(r.start, r.capacity);
+        } else {
+          still.push_back(std::move(r));
+        }
+      }
+      running = std::move(still);
+    }
+    return out;
+  }
+
+  // Frees the KV arena (colocated training takes the memory); the next
+  // generate allocates it again.
+  void release_kv_cache() { arena_.release(); }
+  std::size_t kv_cache_bytes() const { return arena_.nbytes(); }
+
+ private:
+  struct Running {
+    std::size_t request = 0;
+    int64_t start = 0, capacity = 0;  // arena region (capacity >= prompt + max_new_tokens - 1 rows)
+    int64_t cached = 0;               // tokens with keys in the arena
+    std::vector<int32_t> pending;     // tokens to run this step
+    bool done = false;
+  };
+
+  void ensure_arena() {
+    if (arena_.allocated()) return;
+    const auto& c = model_->config();
+    arena_.allocate(c.num_hidden_layers, cfg_.kv_capacity, c.num_key_value_heads, c.head_dim, model_->dtype(),
+                    model_->device());
+    alloc_ = RegionAllocator(cfg_.kv_capacity);
+  }
+
+  std::string invalid_reason(const Request& r) const {
+    const int64_t vocab = model_->config().vocab_size;
+    try {
+      r.sampling.validate("request " + std::to_string(r.sample_id));
+    } catch (const Error& e) {
+      return e.what();
+    }
+    if (r.prompt.empty()) return "empty prompt";
+    if (int64_t(r.prompt.size()) + 1 > cfg_.max_context)
+      return "prompt of " + std::to_string(r.prompt.size()) +
+             " tokens leaves no room for a new token in the context of " + std::to_string(cfg_.max_context);
+    for (std::size_t i = 0; i < r.prompt.size(); ++i)
+      if (r.prompt[i] < 0 || r.prompt[i] >= vocab)
+        return "prompt token " + std::to_string(i) + " = " + std::to_string(r.prompt[i]) +
+               " is outside the vocabulary [0, " + std::to_string(vocab) + ")";
+    return {};
+  }
+
+  void fail(Completion& c, std::string why) {
+    c.finish = FinishReason::error;
+    c.error = std::move(why);
+    c.weight_version = weight_version_;
+  }
+
+  // Admits waiting requests in order while a slot and an arena region exist.
+  // A request larger than the whole arena fails; one that merely does not fit
+  // now waits (requests behind it wait too, keeping the order).
+  void admit(const std::vector<Request>& requests, std::deque<std::size_t>& waiting, std::vector<Running>& running,
+             std::vector<Completion>& out) {
+    while (!waiting.empty() && int64_t(running.size()) < cfg_.max_batch) {
+      const std::size_t i = waiting.front();
+      const Request& r = requests[i];
+      // The sequence's final token is never an input: it needs one row less
+      // than its longest length.
+      const int64_t cap = std::min<int64_t>(int64_t(r.prompt.size()) + r.sampling.max_new_tokens, cfg_.max_context) - 1;
+      if (cap > alloc_.capacity()) {
+        fail(out[i], "the sequence needs " + std::to_string(cap) + " KV rows, more than the arena's " +
+                         std::to_string(alloc_.capacity()));
+        waiting.pop_front();
+        continue;
+      }
+      const auto start = alloc_.allocate(cap);
+      if (!start) break;
+      waiting.pop_front();
+      Running run;
+      run.request = i;
+      run.start = *start;
+      run.capacity = cap;
+      run.pending = r.prompt;
+      running.push_back(std::move(run));
+    }
+  }
+
+  // One model pass over every running sequence's pending tokens, then one
+  // sampled token each.
+  void step(const std::vector<Request>& requests, std::vector<Running>& running, std::vector<Completion>& out,
+            const Stream& stream) {
+    const auto& c = model_->config();
+    const Device dev = model_->device();
+    // The arena layout wants segments in row order; rows of the step follow it.
+    std::sort(running.begin(), running.end(), [](const Running& a, const Running& b) { return a.start < b.start; });
+    std::vector<ArenaSegment> segs;
+    std::vector<int32_t> tokens, positions, last_rows;
+    for (const Running& r : running) {
+      segs.push_back({r.start, r.cached, int64_t(r.pending.size())});
+      for (std::size_t j = 0; j < r.pending.size(); ++j) {
+        tokens.push_back(r.pending[j]);
+        positions.push_back(int32_t(r.cached + int64_t(j)));
+      }
+      last_rows.push_back(int32_t(tokens.size() - 1));
+    }
+    const ArenaLayout lay = arena_layout(segs, arena_.capacity);
+    const int64_t T = int64_t(tokens.size()), B = int64_t(running.size());
+    const Tensor tok = Tensor::from_vector(tokens, {T}, dev, stream);
+    const Tensor pos = Tensor::from_vector(positions, {T}, dev, stream);
+    const Tensor cu_q = Tensor::from_vector(lay.cu_q, {int64_t(lay.cu_q.size())}, dev, stream);
+    const Tensor cu_k = Tensor::from_vector(lay.cu_k, {int64_t(lay.cu_k.size())}, dev, stream);
+    const Tensor write_rows = Tensor::from_vector(lay.write_rows, {T}, dev, stream);
+
+    nn::Embedding::Context ectx;
+    Tensor h = model_->embed_tokens().forward(tok, ectx, stream);
+    auto& layers = model_->layers();
+    for (std::size_t li = 0; li < layers.size(); ++li) {
+      nn::DecoderLayer& layer = layers[li];
+      nn::RMSNorm::Context n1, n2;
+      Tensor a = cached_attention(layer.self_attn, layer.input_layernorm.forward(h, n1, stream), pos, cu_q, cu_k, lay,
+                                  write_rows, li, stream);
+      ops::add_(a, h, stream);
+      Tensor y = feed_forward(layer, layer.post_attention_layernorm.forward(a, n2, stream), stream);
+      ops::add_(y, a, stream);
+      h = y;
+    }
+    nn::RMSNorm::Context nf;
+    const Tensor hidden = model_->norm().forward(h, nf, stream);
+    const Tensor last = Tensor::empty({B, c.hidden_size}, model_->dtype(), dev, stream);
+    ops::gather_rows(hidden, Tensor::from_vector(last_rows, {B}, dev, stream), last, stream);
+    const Tensor logits = Tensor::empty({B, c.vocab_size}, DType::f32, dev, stream);
+    ops::linear_forward(last, model_->lm_head().value, logits, stream);
+    const std::vector<float> host_logits = logits.to_vector<float>(stream);
+
+    // Sample, then score the sampled tokens with the trainer's op, one call
+    // per distinct temperature.
+    std::vector<int32_t> sampled(static_cast<std::size_t>(B));
+    std::map<float, std::vector<int32_t>> by_temperature;  // temperature -> rows of `last`
+    for (int64_t b = 0; b < B; ++b) {
+      const Running& r = running[std::size_t(b)];
+      const Request& req = requests[r.request];
+      const int64_t step_index = int64_t(out[r.request].tokens.size());
+      sampled[std::size_t(b)] = sample_token(host_logits.data() + b * c.vocab_size, c.vocab_size, req.sampling,
+                                             cfg_.seed, req.sample_id, step_index, scratch_);
+      const float t = req.sampling.temperature == 0.f ? 1.f : req.sampling.temperature;
+      by_temperature[t].push_back(int32_t(b));
+    }
+    std::vector<float> lp(static_cast<std::size_t>(B));
+    for (const auto& [temperature, rows] : by_temperature) {
+      const int64_t n = int64_t(rows.size());
+      const Tensor idx = Tensor::from_vector(rows, {n}, dev, stream);
+      const Tensor sub = Tensor::empty({n, c.hidden_size}, model_->dtype(), dev, stream);
+      ops::gather_rows(last, idx, sub, stream);
+      std::vector<int32_t> targets;
+      for (int32_t b : rows) targets.push_back(sampled[std::size_t(b)]);
+      const ops::TokenLogprobs res =
+          model_->token_logprobs(sub, Tensor::from_vector(targets, {n}, dev, stream), temperature, stream);
+      const std::vector<float> v = res.logprobs.to_vector<float>(stream);
+      for (int64_t j = 0; j < n; ++j) lp[std::size_t(rows[std::size_t(j)])] = v[std::size_t(j)];
+    }
+
+    for (int64_t b = 0; b < B; ++b) {
+      Running& r = running[std::size_t(b)];
+      const Request& req = requests[r.request];
+      Completion& done = out[r.request];
+      r.cached += int64_t(r.pending.size());
+      const int32_t t = sampled[std::size_t(b)];
+      done.tokens.push_back(t);
+      done.logprobs.push_back(lp[std::size_t(b)]);
+      r.pending.assign(1, t);
+      const auto& stops = req.sampling.stop_tokens;
+      if (std::find(stops.begin(), stops.end(), t) != stops.end()) {
+        r.done = true;
+        done.finish = FinishReason::stop;
+      } else if (int64_t(done.tokens.size()) >= req.sampling.max_new_tokens ||
+                 int64_t(req.prompt.size() + done.tokens.size()) >= cfg_.max_context) {
+        r.done = true;
+        done.finish = FinishReason::length;
+      }
+      if (r.done) done.weight_version = weight_version_;
+    }
+  }
+
+  // Attention::forward with the keys and values of earlier steps read from the
+  // arena: the same ops on the same rows.
+  Tensor cached_attention(nn::Attention& at, const Tensor& x, const Tensor& pos, const Tensor& cu_q, const Tensor& cu_k,
+                          const ArenaLayout& lay, const Tensor& write_rows, std::size_t layer, const Stream& stream) {
+    const auto& cfg = at.config;
+    const int64_t T = x.size(0), hq = cfg.num_heads, hkv = cfg.num_kv_heads, d = cfg.head_dim;
+    nn::Attention::Context ctx;
+    Tensor q = at.q_proj.forward(x, ctx.q_proj, stream).reshape({T, hq, d});
+    Tensor k = at.k_proj.forward(x, ctx.k_proj, stream).reshape({T, hkv, d});
+    Tensor v = at.v_proj.forward(x, ctx.v_proj, stream).reshape({T, hkv, d});
+    Tensor qn = at.q_norm.forward(q, ctx.q_norm, stream);
+    Tensor kn = at.k_norm.forward(k, ctx.k_norm, stream);
+    ops::rope_forward(qn, kn, pos, cfg.rope_theta, qn, kn, stream);
+    const Tensor& K = arena_.k[layer];
+    const Tensor& V = arena_.v[layer];
+    ops::scatter_rows(kn, write_rows, K, stream);
+    ops::scatter_rows(v, write_rows, V, stream);
+    Tensor o = Tensor::empty({T, hq, d}, at.options.dtype, at.options.device, stream);
+    Tensor lse = Tensor::empty({T, hq}, DType::f32, at.options.device, stream);
+    ops::AttentionOptions opt;
+    opt.align = ops::CausalAlign::bottom_right;  // queries are the last rows of their sequence's keys
+    ops::attention_forward(qn, K, V, cu_q, cu_k, lay.max_q, lay.max_k, o, lse, opt, stream);
+    return at.o_proj.forward(o.reshape({T, hq * d}), ctx.o_proj, stream);
+  }
+
+  Tensor feed_forward(nn::DecoderLayer& layer, const Tensor& x, const Stream& stream) {
+    nn::MLP::Context ctx;
+    return layer.mlp.forward(x, ctx, stream);
+  }
+
+  nn::Qwen3Model* model_;
+  EngineConfig cfg_;
+  KvArena arena_;
+  RegionAllocator alloc_;
+  int64_t weight_version_ = 0;
+  std::vector<int32_t> scratch_;
+};
+
+}  // namespace slime::rollout

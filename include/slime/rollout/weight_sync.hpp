@@ -1,0 +1,363 @@
+// slime/rollout/weight_sync.hpp: refreshing the rollout engine's weights from
+// the trainer after an optimizer step.
+//
+// A weight source is anything with
+//   std::vector<WeightMeta> meta();                      names, shapes, dtypes, in order
+//   template <class F> void for_each(F&& f);             f(name, const Tensor& full) in that order
+// (ModelWeights below wraps a Qwen3Model; a sharded trainer gathers one
+// parameter or unit at a time inside for_each, so it never holds the whole
+// model twice).
+//
+// Colocated (trainer and engine in one process, `sync_colocated`): each
+// tensor the source yields is copied, cast when the dtypes differ, straight
+// into the engine's parameter of the same name: no round trip through files
+// and no staging buffer, so the extra memory is what the source itself holds
+// while it yields a tensor.
+//
+// Distributed (trainer ranks and engine ranks apart, `send_weights` on the
+// trainer's sending rank, `receive_weights` on every engine rank, all on one
+// Comm whose other members are engine ranks): first the metadata (weight
+// version, names, shapes, dtype), then the tensors packed in order into
+// buckets of at most `bucket_bytes` (a tensor larger than that travels alone),
+// each bucket one broadcast from the sender. Both sides derive the bucket
+// boundaries from the metadata. The extra memory is one bucket on each side.
+// With `verify`, the sender hashes (FNV-1a 64) the bytes it sent and
+// broadcasts the hash; every engine hashes its parameters after the update
+// and throws if they differ: the engine then holds the trainer's weights bit
+// for bit. The engine reports the version it serves (Engine::weight_version).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "slime/comm/comm.hpp"
+#include "slime/core/tensor.hpp"
+#include "slime/nn/qwen3.hpp"
+#include "slime/ops/elementwise.hpp"
+#include "slime/rollout/engine.hpp"
+
+namespace slime::rollout {
+
+struct WeightMeta {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::f32;
+};
+
+struct WeightSyncConfig {
+  std::size_t bucket_bytes = std::size_t(512) << 20;  // distributed buckets
+  bool verify = false;                                // hash check after the update
+};
+
+struct WeightSyncStats {
+  int64_t version = 0;
+  std::size_t bytes = 0;  // payload bytes moved
+  int buckets = 0;        // broadcasts of payload (distributed)
+  double seconds = 0;
+  uint64_t hash = 0;  // FNV-1a 64 of the payload (when verify)
+  double gbps() const { return seconds > 0 ? double(bytes) / seconds / 1e9 : 0; }
+};
+
+// FNV-1a 64 over bytes, continuing from `h`.
+inline uint64_t fnv1a(const void* data, std::size_t n, uint64_t h = 0xcbf29ce484222325ull) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
+}
+
+// FNV-1a 64 of a tensor's bytes (a host copy for device tensors), continuing from h.
+inline uint64_t tensor_hash(const Tensor& t, uint64_t h = 0xcbf29ce484222325ull, const Stream& stream = {}) {
+  if (t.device().is_cpu()) return fnv1a(t.data_ptr(), t.nbytes(), h);
+  const std::vector<uint8_t> host =
+      t.reshape({int64_t(t.nbytes() / dtype_size(t.dtype()))}).to(Device::cpu(), stream).template to_vector<uint8_t>();
+  return fnv1a(host.data(), host.size(), h);
+}
+
+// Hash of every parameter of a model, in its parameter order.
+inline uint64_t weights_hash(nn::Qwen3Model& model, const Stream& stream = {}) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  model.for_each_parameter([&](nn::Parameter& p) { h = tensor_hash(p.value, h, stream); });
+  return h;
+}
+
+// A Qwen3Model as a weight source (its parameters, as they are).
+struct ModelWeights {
+  nn::Qwen3Model* model;
+  std::vector<WeightMeta> meta() const {
+    std::vector<WeightMeta> m;
+    model->for_each_parameter([&](nn::Parameter& p) { m.push_back({p.name, p.value.shape(), p.value.dtype()}); });
+    return m;
+  }
+  template <class F>
+  void for_each(F&& f) const {
+    model->for_each_parameter([&](nn::Parameter& p) { f(p.name, p.value); });
+  }
+};
+
+namespace detail::weight_sync {
+
+inline std::map<std::string, nn::Parameter*> params_by_name(nn::Qwen3Model& model) {
+  std::map<std::string, nn::Parameter*> m;
+  model.for_each_parameter([&](nn::Parameter& p) { m[p.name] = &p; });
+  return m;
+}
+
+inline nn::Parameter& find(std::map<std::string, nn::Parameter*>& params, const std::string& name, const Shape& shape,
+                           std::string_view where) {
+  auto it = params.find(name);
+  SLIME_CHECK(it != params.end(), where, ": the engine's model has no parameter '", name, "'");
+  SLIME_CHECK(it->second->value.shape() == shape, where, ": parameter '", name, "' is ", it->second->value.str(),
+              " in the engine but ", shape, " in the trainer");
+  return *it->second;
+}
+
+// dst = src, cast when the dtypes differ; any devices.
+inline void copy_cast(const Tensor& src, const Tensor& dst, const Stream& stream) {
+  if (src.dtype() == dst.dtype()) {
+    Tensor d = dst;
+    d.copy_from(src, stream);
+    return;
+  }
+  if (src.device() == dst.device()) {
+    ops::cast(src, dst, stream);
+    return;
+  }
+  Tensor tmp = Tensor::empty(src.shape(), src.dtype(), dst.device(), stream);
+  tmp.copy_from(src, stream);
+  ops::cast(tmp, dst, stream);
+}
+
+// Metadata as bytes: "version\nbucket_bytes\n" then "name\tdtype\td0,d1,..\n" lines.
+inline std::string encode(int64_t version, std::size_t bucket_bytes, const std::vector<WeightMeta>& meta) {
+  std::string s = std::to_string(version) + "\n" + std::to_string(bucket_bytes) + "\n";
+  for (const auto& m : meta) {
+    SLIME_CHECK(m.name.find_first_of("\t\n") == std::string::npos, "weight sync: parameter name '", m.name,
+                "' holds a tab or newline");
+    s += m.name + "\t" + std::to_string(int(m.dtype)) + "\t";
+    for (int d = 0; d < m.shape.rank(); ++d) {
+      if (d > 0) s += ',';
+      s += std::to_string(m.shape[d]);
+    }
+    s += "\n";
+  }
+  return s;
+}
+
+inline void decode(const std::string& s, int64_t& version, std::size_t& bucket_bytes, std::vector<WeightMeta>& meta) {
+  std::size_t at = 0;
+  auto line = [&]() {
+    const std::size_t end = s.find('\n', at);
+    SLIME_CHECK(end != std::string::npos, "weight sync: truncated metadata");
+    std::string l = s.substr(at, end - at);
+    at = end + 1;
+    return l;
+  };
+  version = std::stoll(line());
+  bucket_bytes = std::size_t(std::stoull(line()));
+  meta.clear();
+  while (at < s.size()) {
+    const std::string l = line();
+    const auto t1 = l.find('\t'), t2 = l.find('\t', t1 + 1);
+    SLIME_CHECK(t1 != std::string::npos && t2 != std::string::npos, "weight sync: bad metadata line '", l, "'");
+    WeightMeta m;
+    m.name = l.substr(0, t1);
+    m.dtype = DType(std::stoi(l.substr(t1 + 1, t2 - t1 - 1)));
+    std::vector<int64_t> dims;
+    for (std::size_t p = t2 + 1; p < l.size();) {
+      const auto c = l.find(',', p);
+      dims.push_back(std::stoll(l.substr(p, c == std::string::npos ? std::string::npos : c - p)));
+      p = c == std::string::npos ? l.size() : c + 1;
+    }
+    m.shape = Shape(dims);
+    meta.push_back(std::move(m));
+  }
+}
+
+// Bucket boundaries: [first, last) tensor indices and byte size of each.
+struct Bucket {
+  std::size_t first = 0, last = 0, bytes = 0;
+};
+inline std::vector<Bucket> plan_buckets(const std::vector<WeightMeta>& meta, std::size_t bucket_bytes) {
+  std::vector<Bucket> out;
+  Bucket cur;
+  for (std::size_t i = 0; i < meta.size(); ++i) {
+    const std::size_t n = std::size_t(meta[i].shape.numel()) * dtype_size(meta[i].dtype);
+    if (cur.last > cur.first && cur.bytes + n > bucket_bytes) {
+      out.push_back(cur);
+      cur = Bucket{i, i, 0};
+    }
+    cur.last = i + 1;
+    cur.bytes += n;
+  }
+  if (cur.last > cur.first) out.push_back(cur);
+  return out;
+}
+
+// Broadcast a byte string from root (its value on root, filled elsewhere).
+inline std::string broadcast_string(comm::Comm& comm, int root, std::string s, Device device, const Stream& stream) {
+  Tensor len = Tensor::from_vector(std::vector<int64_t>{int64_t(s.size())}, {1}, device, stream);
+  comm.broadcast(len, root, stream);
+  const int64_t n = len.to_vector<int64_t>(stream)[0];
+  std::vector<uint8_t> bytes(s.begin(), s.end());
+  bytes.resize(std::size_t(n));
+  Tensor t = Tensor::from_vector(bytes, {std::max<int64_t>(n, 1)}, device, stream);
+  if (n > 0) comm.broadcast(t, root, stream);
+  const auto v = t.to_vector<uint8_t>(stream);
+  return std::string(v.begin(), v.begin() + n);
+}
+
+inline int64_t broadcast_u64(comm::Comm& comm, int root, uint64_t v, Device device, const Stream& stream) {
+  int64_t x;
+  std::memcpy(&x, &v, sizeof x);
+  Tensor t = Tensor::from_vector(std::vector<int64_t>{x}, {1}, device, stream);
+  comm.broadcast(t, root, stream);
+  return t.to_vector<int64_t>(stream)[0];
+}
+
+}  // namespace detail::weight_sync
+
+// Colocated: copies every tensor of `source` into `engine`'s parameter of the
+// same name (cast to the engine's dtype), sets the engine's weight version.
+template <class Source>
+WeightSyncStats sync_colocated(Source&& source, Engine& engine, int64_t version, const WeightSyncConfig& cfg = {},
+                               const Stream& stream = {}) {
+  namespace ws = detail::weight_sync;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto params = ws::params_by_name(engine.model());
+  WeightSyncStats st;
+  st.version = version;
+  std::size_t seen = 0;
+  uint64_t h = 0xcbf29ce484222325ull;
+  source.for_each([&](const std::string& name, const Tensor& full) {
+    nn::Parameter& p = ws::find(params, name, full.shape(), "sync_colocated");
+    ws::copy_cast(full, p.value, stream);
+    st.bytes += p.value.nbytes();
+    if (cfg.verify) h = tensor_hash(p.value, h, stream);
+    ++seen;
+  });
+  SLIME_CHECK(seen == params.size(), "sync_colocated: the source gave ", seen, " tensors, the engine has ",
+              params.size(), " parameters");
+  if (cfg.verify) {
+    st.hash = h;
+    SLIME_CHECK(weights_hash(engine.model(), stream) == h, "sync_colocated: the engine's weights hash differs");
+  }
+  engine.set_weight_version(version);
+  stream.synchronize();
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+// Distributed, sender side (rank `comm.rank()` is the root): metadata then
+// buckets by broadcast. `wire_dtype` is the engines' parameter dtype (the
+// sender casts). Buckets live on `device` (the comm's device).
+template <class Source>
+WeightSyncStats send_weights(comm::Comm& comm, Source&& source, int64_t version, DType wire_dtype, Device device,
+                             const WeightSyncConfig& cfg = {}, const Stream& stream = {}) {
+  namespace ws = detail::weight_sync;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int root = comm.rank();
+  std::vector<WeightMeta> meta = source.meta();
+  for (auto& m : meta) m.dtype = wire_dtype;
+  ws::broadcast_string(comm, root, ws::encode(version, cfg.bucket_bytes, meta), device, stream);
+  ws::broadcast_u64(comm, root, cfg.verify ? 1 : 0, device, stream);
+  const auto buckets = ws::plan_buckets(meta, cfg.bucket_bytes);
+  const int64_t esize = int64_t(dtype_size(wire_dtype));
+  int64_t largest = 1;  // elements
+  for (const auto& b : buckets) largest = std::max(largest, int64_t(b.bytes) / esize);
+  const Tensor buffer = Tensor::empty({largest}, wire_dtype, device, stream);
+  WeightSyncStats st;
+  st.version = version;
+  uint64_t h = 0xcbf29ce484222325ull;
+  std::size_t index = 0, bucket = 0;
+  int64_t offset = 0;  // elements into the bucket
+  source.for_each([&](const std::string& name, const Tensor& full) {
+    SLIME_CHECK(index < meta.size() && meta[index].name == name && meta[index].shape == full.shape(),
+                "send_weights: the source yielded '", name, "' ", full.str(), " where its metadata says '",
+                index < meta.size() ? meta[index].name : std::string("<end>"), "'");
+    ws::copy_cast(full, buffer.view(offset, full.shape()), stream);
+    offset += full.numel();
+    if (++index == buckets[bucket].last) {
+      Tensor part = buffer.slice_rows(0, offset);
+      comm.broadcast(part, root, stream);
+      if (cfg.verify) h = tensor_hash(part, h, stream);
+      st.bytes += std::size_t(offset * esize);
+      ++st.buckets;
+      ++bucket;
+      offset = 0;
+    }
+  });
+  SLIME_CHECK(index == meta.size(), "send_weights: the source yielded ", index, " tensors, its metadata ", meta.size());
+  st.hash = h;
+  if (cfg.verify) ws::broadcast_u64(comm, root, h, device, stream);
+  stream.synchronize();
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+// Distributed, engine side: receives the metadata and buckets sent by rank
+// `root` of `comm` into `engine`'s parameters (names and shapes must match,
+// dtype = the wire dtype), verifies the hash when the sender asked for it, and
+// sets the engine's weight version. Buckets live on the engine's device.
+inline WeightSyncStats receive_weights(comm::Comm& comm, int root, Engine& engine, const Stream& stream = {}) {
+  namespace ws = detail::weight_sync;
+  const auto t0 = std::chrono::steady_clock::now();
+  const Device device = engine.model().device();
+  int64_t version = 0;
+  std::size_t bucket_bytes = 0;
+  std::vector<WeightMeta> meta;
+  ws::decode(ws::broadcast_string(comm, root, {}, device, stream), version, bucket_bytes, meta);
+  const bool verify = ws::broadcast_u64(comm, root, 0, device, stream) != 0;
+  auto params = ws::params_by_name(engine.model());
+  SLIME_CHECK(meta.size() == params.size(), "receive_weights: the sender has ", meta.size(),
+              " tensors, the engine's model ", params.size(), " parameters");
+  std::vector<nn::Parameter*> targets;
+  for (const auto& m : meta) {
+    nn::Parameter& p = ws::find(params, m.name, m.shape, "receive_weights");
+    SLIME_CHECK(p.value.dtype() == m.dtype, "receive_weights: parameter '", m.name, "' is ", p.value.str(),
+                " in the engine but the sender sends ", dtype_name(m.dtype));
+    targets.push_back(&p);
+  }
+  WeightSyncStats st;
+  st.version = version;
+  if (!meta.empty()) {
+    const DType wire = meta[0].dtype;
+    const int64_t esize = int64_t(dtype_size(wire));
+    const auto buckets = ws::plan_buckets(meta, bucket_bytes);
+    int64_t largest = 1;
+    for (const auto& b : buckets) largest = std::max(largest, int64_t(b.bytes) / esize);
+    const Tensor buffer = Tensor::empty({largest}, wire, device, stream);
+    for (const auto& b : buckets) {
+      Tensor part = buffer.slice_rows(0, int64_t(b.bytes) / esize);
+      comm.broadcast(part, root, stream);
+      int64_t offset = 0;
+      for (std::size_t i = b.first; i < b.last; ++i) {
+        Tensor dst = targets[i]->value;
+        dst.copy_from(buffer.view(offset, dst.shape()), stream);
+        offset += dst.numel();
+      }
+      st.bytes += b.bytes;
+      ++st.buckets;
+    }
+  }
+  if (verify) {
+    uint64_t mine = 0xcbf29ce484222325ull;
+    for (nn::Parameter* p : targets) mine = tensor_hash(p->value, mine, stream);
+    const int64_t theirs = ws::broadcast_u64(comm, root, 0, device, stream);
+    uint64_t t;
+    std::memcpy(&t, &theirs, sizeof t);
+    SLIME_CHECK(t == mine, "receive_weights: the engine's weights hash ", mine, " differs from the sender's ", t,
+                " (version ", version, ")");
+    st.hash = mine;
+  }
+  engine.set_weight_version(version);
+  stream.synchronize();
+  st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return st;
+}
+
+}  // namespace slime::rollout

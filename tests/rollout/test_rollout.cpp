@@ -1,0 +1,302 @@
+// The rollout engine on the CPU: the engine's logprobs equal the trainer's
+// recompute bit for bit, generation does not depend on the batch it runs in,
+// bad requests fail alone, the KV arena's allocator and layout, sampling.
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "slime/nn/qwen3.hpp"
+#include "slime/ops/index_rows.hpp"
+#include "slime/rollout/engine.hpp"
+
+using namespace slime;
+using Catch::Matchers::ContainsSubstring;
+
+namespace {
+
+nn::Qwen3Config tiny_config() {
+  nn::Qwen3Config c;
+  c.vocab_size = 48;
+  c.hidden_size = 32;
+  c.intermediate_size = 40;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.rope_theta = 100.0;
+  c.max_position_embeddings = 64;
+  return c;
+}
+
+nn::Qwen3Model tiny_model(uint64_t seed = 3) {
+  nn::Qwen3Model m(tiny_config(), {});
+  m.init_random(seed, 0.3f);  // large weights: peaked, varied distributions
+  return m;
+}
+
+std::vector<int32_t> prompt_of(int64_t n, int32_t salt) {
+  std::vector<int32_t> p;
+  for (int64_t i = 0; i < n; ++i) p.push_back(int32_t((i * 7 + salt * 13 + 1) % 48));
+  return p;
+}
+
+std::vector<rollout::Request> some_requests() {
+  std::vector<rollout::Request> rs;
+  const int64_t lens[] = {1, 5, 17, 3, 9, 2};
+  for (int i = 0; i < 6; ++i) {
+    rollout::Request r;
+    r.prompt = prompt_of(lens[i], i);
+    r.sample_id = uint64_t(100 + i);
+    r.sampling.temperature = i == 3 ? 0.7f : 1.f;
+    r.sampling.max_new_tokens = 6 + i;
+    rs.push_back(r);
+  }
+  return rs;
+}
+
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+void require_same(const std::vector<rollout::Completion>& a, const std::vector<rollout::Completion>& b) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i].finish == b[i].finish);
+    REQUIRE(a[i].tokens == b[i].tokens);
+    for (std::size_t j = 0; j < a[i].logprobs.size(); ++j) CHECK(same_bits(a[i].logprobs[j], b[i].logprobs[j]));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("engine logprobs equal the trainer's recompute bit for bit on the CPU", "[rollout]") {
+  nn::Qwen3Model model = tiny_model();
+  rollout::Engine engine(model, {.max_batch = 4, .max_context = 40, .kv_capacity = 0, .seed = 11});
+  const auto requests = some_requests();
+  const auto out = engine.generate(requests);
+  // The trainer: every prompt + completion packed into one batch.
+  std::vector<std::vector<int32_t>> seqs;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    REQUIRE(out[i].finish == rollout::FinishReason::length);
+    REQUIRE(out[i].tokens.size() == std::size_t(requests[i].sampling.max_new_tokens));
+    std::vector<int32_t> s = requests[i].prompt;
+    s.insert(s.end(), out[i].tokens.begin(), out[i].tokens.end() - 1);  // the last token is never an input
+    seqs.push_back(s);
+  }
+  for (float temperature : {1.f, 0.7f}) {
+    nn::PackedBatch batch = nn::make_packed_batch(seqs);
+    nn::Qwen3Model::Context ctx;
+    const Tensor hidden = model.forward(batch, ctx);
+    std::vector<int32_t> targets;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      std::vector<int32_t> full = requests[i].prompt;
+      full.insert(full.end(), out[i].tokens.begin(), out[i].tokens.end());
+      targets.insert(targets.end(), full.begin() + 1, full.end());
+    }
+    const auto lp =
+        model.token_logprobs(hidden, Tensor::from_vector(targets, {int64_t(targets.size())}), temperature).logprobs;
+    const auto v = lp.to_vector<float>();
+    int64_t compared = 0;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      if (requests[i].sampling.temperature != temperature) continue;
+      const int64_t first = batch.cu_seqlens_host[i] + int64_t(requests[i].prompt.size()) - 1;
+      for (std::size_t j = 0; j < out[i].tokens.size(); ++j) {
+        INFO("request " << i << " token " << j);
+        CHECK(same_bits(v[std::size_t(first) + j], out[i].logprobs[j]));
+        ++compared;
+      }
+    }
+    CHECK(compared > 0);
+  }
+}
+
+TEST_CASE("a completion does not depend on the batch it runs in", "[rollout]") {
+  nn::Qwen3Model model = tiny_model();
+  const auto requests = some_requests();
+  rollout::Engine wide(model, {.max_batch = 8, .max_context = 40, .kv_capacity = 0, .seed = 5});
+  const auto all = wide.generate(requests);
+  // One at a time.
+  std::vector<rollout::Completion> alone;
+  for (const auto& r : requests) alone.push_back(wide.generate({r})[0]);
+  require_same(all, alone);
+  // Two running at once (continuous batching: the others wait and join), and
+  // a KV arena so small that sequences also wait for rows.
+  rollout::Engine narrow(model, {.max_batch = 2, .max_context = 40, .kv_capacity = 30, .seed = 5});
+  require_same(all, narrow.generate(requests));
+  // The reverse order gives the same per-request results.
+  std::vector<rollout::Request> reversed(requests.rbegin(), requests.rend());
+  auto rev = wide.generate(reversed);
+  std::reverse(rev.begin(), rev.end());
+  require_same(all, rev);
+}
+
+TEST_CASE("the seed keys the samples", "[rollout]") {
+  nn::Qwen3Model model = tiny_model();
+  const auto requests = some_requests();
+  rollout::Engine a(model, {.max_batch = 8, .max_context = 40, .kv_capacity = 0, .seed = 1});
+  rollout::Engine b(model, {.max_batch = 8, .max_context = 40, .kv_capacity = 0, .seed = 2});
+  const auto x = a.generate(requests), y = a.generate(requests), z = b.generate(requests);
+  require_same(x, y);
+  int differ = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) differ += x[i].tokens != z[i].tokens;
+  CHECK(differ > 0);
+}
+
+TEST_CASE("greedy decoding, stop tokens and the context limit", "[rollout]") {
+  nn::Qwen3Model model = tiny_model();
+  rollout::Engine engine(model, {.max_batch = 4, .max_context = 12, .kv_capacity = 0, .seed = 0});
+  rollout::Request r;
+  r.prompt = prompt_of(4, 1);
+  r.sampling.temperature = 0.f;
+  r.sampling.max_new_tokens = 5;
+  const auto greedy = engine.generate({r})[0];
+  REQUIRE(greedy.tokens.size() == 5);
+  // Greedy = the argmax of the trainer's logits at every step.
+  for (std::size_t j = 0; j < greedy.tokens.size(); ++j) {
+    std::vector<int32_t> seq = r.prompt;
+    seq.insert(seq.end(), greedy.tokens.begin(), greedy.tokens.begin() + int64_t(j));
+    nn::Qwen3Model::Context ctx;
+    const auto logits = model.logits(model.forward(nn::make_packed_batch({seq}), ctx)).to_vector<float>();
+    const float* last = logits.data() + (seq.size() - 1) * 48;
+    CHECK(std::max_element(last, last + 48) - last == greedy.tokens[j]);
+  }
+  // Stopping at the third token keeps it and reports `stop`.
+  rollout::Request s = r;
+  s.sampling.stop_tokens = {greedy.tokens[2]};
+  const auto stopped = engine.generate({s})[0];
+  CHECK(stopped.finish == rollout::FinishReason::stop);
+  const auto first_stop = std::find(greedy.tokens.begin(), greedy.tokens.end(), greedy.tokens[2]);
+  CHECK(stopped.tokens == std::vector<int32_t>(greedy.tokens.begin(), first_stop + 1));
+  // A long request ends at the context (12 = 4 prompt + 8 generated).
+  rollout::Request l = r;
+  l.sampling.max_new_tokens = 100;
+  const auto limited = engine.generate({l})[0];
+  CHECK(limited.finish == rollout::FinishReason::length);
+  CHECK(limited.tokens.size() == 8);
+}
+
+TEST_CASE("bad requests fail alone with a clear reason", "[rollout]") {
+  nn::Qwen3Model model = tiny_model();
+  rollout::Engine engine(model, {.max_batch = 4, .max_context = 20, .kv_capacity = 0, .seed = 9});
+  auto good = some_requests();
+  good.resize(3);
+  for (auto& g : good) g.sampling.max_new_tokens = 4;
+  const auto alone = engine.generate(good);
+  std::vector<rollout::Request> mixed;
+  rollout::Request empty;
+  empty.sample_id = 1;
+  rollout::Request too_long;
+  too_long.prompt = prompt_of(20, 2);
+  rollout::Request zero_new;
+  zero_new.prompt = {1, 2};
+  zero_new.sampling.max_new_tokens = 0;
+  rollout::Request oov;
+  oov.prompt = {1, 48};
+  mixed = {empty, good[0], too_long, good[1], zero_new, oov, good[2]};
+  const auto out = engine.generate(mixed);
+  CHECK(out[0].finish == rollout::FinishReason::error);
+  CHECK_THAT(out[0].error, ContainsSubstring("empty prompt"));
+  CHECK_THAT(out[2].error, ContainsSubstring("no room"));
+  CHECK_THAT(out[4].error, ContainsSubstring("max_new_tokens"));
+  CHECK_THAT(out[5].error, ContainsSubstring("outside the vocabulary"));
+  for (int i : {0, 2, 4, 5}) CHECK(out[std::size_t(i)].tokens.empty());
+  require_same(alone, {out[1], out[3], out[6]});
+  // A sequence larger than the whole arena fails; the others run.
+  rollout::Engine small(model, {.max_batch = 4, .max_context = 20, .kv_capacity = 6, .seed = 9});
+  rollout::Request big;
+  big.prompt = prompt_of(5, 3);
+  big.sampling.max_new_tokens = 4;
+  rollout::Request fits = big;
+  fits.prompt = {3};
+  const auto r = small.generate({big, fits});
+  CHECK_THAT(r[0].error, ContainsSubstring("more than the arena"));
+  CHECK(r[1].tokens.size() == 4);
+  CHECK_THROWS_WITH(rollout::Engine(model, {.max_batch = 0}), ContainsSubstring("max_batch"));
+}
+
+TEST_CASE("region allocator: first fit, release merges neighbours, misuse is an error", "[rollout]") {
+  rollout::RegionAllocator a(10);
+  CHECK(a.allocate(4) == 0);
+  CHECK(a.allocate(3) == 4);
+  CHECK(a.allocate(4) == std::nullopt);
+  CHECK(a.allocate(3) == 7);
+  a.release(4, 3);
+  CHECK(a.free_rows() == 3);
+  CHECK(a.allocate(2) == 4);
+  a.release(0, 4);
+  a.release(7, 3);
+  a.release(4, 2);
+  CHECK(a.free_rows() == 10);
+  CHECK(a.allocate(10) == 0);  // merged back into one range
+  a.release(0, 10);
+  CHECK_THROWS_WITH(a.release(2, 3), ContainsSubstring("released twice"));
+  CHECK_THROWS_WITH(a.release(8, 5), ContainsSubstring("outside"));
+}
+
+TEST_CASE("arena layout: gaps become sequences without queries", "[rollout]") {
+  const auto l = rollout::arena_layout({{2, 3, 1}, {10, 0, 4}}, 20);
+  CHECK(l.cu_q == std::vector<int32_t>{0, 0, 1, 1, 5, 5});
+  CHECK(l.cu_k == std::vector<int32_t>{0, 2, 6, 10, 14, 20});
+  CHECK(l.write_rows == std::vector<int32_t>{5, 10, 11, 12, 13});
+  CHECK(l.max_q == 4);
+  CHECK(l.max_k == 6);
+  CHECK_THROWS_WITH(rollout::arena_layout({{4, 0, 2}, {5, 0, 1}}, 20), ContainsSubstring("overlap"));
+  CHECK_THROWS_WITH(rollout::arena_layout({{18, 1, 2}}, 20), ContainsSubstring("capacity"));
+}
+
+TEST_CASE("sampling: greedy, top-k 1, tiny top-p, and the distribution", "[rollout]") {
+  const std::vector<float> z = {0.1f, 2.0f, -1.0f, 1.5f, 2.0f, 0.f};
+  std::vector<int32_t> scratch;
+  rollout::SamplingParams g;
+  g.temperature = 0.f;
+  CHECK(rollout::sample_token(z.data(), 6, g, 0, 0, 0, scratch) == 1);  // ties: the lower id
+  rollout::SamplingParams k1;
+  k1.top_k = 1;
+  rollout::SamplingParams p0;
+  p0.top_p = 1e-6f;
+  for (uint64_t id = 0; id < 50; ++id) {
+    CHECK(rollout::sample_token(z.data(), 6, k1, 3, id, 0, scratch) == 1);
+    CHECK(rollout::sample_token(z.data(), 6, p0, 3, id, 0, scratch) == 1);
+  }
+  // Frequencies over many sample ids match softmax(z / 0.8) within 5 sigma;
+  // top_k = 2 keeps only the two largest (ids 1 and 4, equal mass).
+  rollout::SamplingParams t;
+  t.temperature = 0.8f;
+  rollout::SamplingParams k2 = t;
+  k2.top_k = 2;
+  const int n = 20000;
+  std::vector<int> count(6, 0), count2(6, 0);
+  for (int id = 0; id < n; ++id) {
+    ++count[std::size_t(rollout::sample_token(z.data(), 6, t, 7, uint64_t(id), 3, scratch))];
+    ++count2[std::size_t(rollout::sample_token(z.data(), 6, k2, 7, uint64_t(id), 3, scratch))];
+  }
+  double total = 0;
+  for (float v : z) total += std::exp(double(v) / 0.8);
+  for (int v = 0; v < 6; ++v) {
+    const double p = std::exp(double(z[std::size_t(v)]) / 0.8) / total;
+    CHECK(std::abs(count[std::size_t(v)] - n * p) < 5 * std::sqrt(n * p * (1 - p)) + 1);
+  }
+  CHECK(count2[0] + count2[2] + count2[3] + count2[5] == 0);
+  CHECK(std::abs(count2[1] - n / 2) < 5 * std::sqrt(n * 0.25));
+  rollout::SamplingParams bad;
+  bad.top_p = 0.f;
+  CHECK_THROWS_WITH(bad.validate("x"), ContainsSubstring("top_p"));
+}
+
+TEST_CASE("gather_rows and scatter_rows move rows and reject bad indices", "[rollout][ops]") {
+  const Tensor src = Tensor::from_vector(std::vector<float>{0, 1, 2, 3, 4, 5}, {3, 2});
+  Tensor dst = Tensor::zeros({2, 2}, DType::f32);
+  ops::gather_rows(src, Tensor::from_vector(std::vector<int32_t>{2, 0}, {2}), dst);
+  CHECK(dst.to_vector<float>() == std::vector<float>{4, 5, 0, 1});
+  Tensor big = Tensor::zeros({4, 2}, DType::f32);
+  ops::scatter_rows(src, Tensor::from_vector(std::vector<int32_t>{3, 0, 1}, {3}), big);
+  CHECK(big.to_vector<float>() == std::vector<float>{2, 3, 4, 5, 0, 0, 0, 1});
+  CHECK_THROWS_WITH(ops::gather_rows(src, Tensor::from_vector(std::vector<int32_t>{3, 0}, {2}), dst),
+                    ContainsSubstring("outside [0, 3)"));
+  CHECK_THROWS_WITH(ops::scatter_rows(src, Tensor::from_vector(std::vector<int32_t>{1, 1, 0}, {3}), big),
+                    ContainsSubstring("repeats"));
+  CHECK_THROWS_WITH(ops::gather_rows(src, Tensor::from_vector(std::vector<int32_t>{0}, {1}), dst),
+                    ContainsSubstring("rows"));
+}
