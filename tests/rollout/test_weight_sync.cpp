@@ -155,3 +155,21 @@ TEST_CASE("distributed sync refuses an engine whose parameters do not match", "[
                                           }),
                     ContainsSubstring("the sender sends f32"));
 }
+
+TEST_CASE("engine offload and onload keep the weights and the outputs", "[rollout][offload]") {
+  nn::Qwen3Model m = make_model(6);
+  rollout::Engine engine(m, {.max_batch = 4, .max_context = 32, .kv_capacity = 0, .seed = 1});
+  const auto before = engine.generate(requests());
+  const uint64_t h = rollout::weights_hash(m);
+  CHECK(engine.kv_cache_bytes() > 0);
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    engine.offload();
+    CHECK(engine.offloaded());
+    CHECK(engine.kv_cache_bytes() == 0);
+    CHECK_THROWS_WITH(engine.generate(requests()), ContainsSubstring("onload"));
+    engine.onload();
+    CHECK(rollout::weights_hash(m) == h);
+    const auto after = engine.generate(requests());
+    for (std::size_t i = 0; i < after.size(); ++i) CHECK(after[i].tokens == before[i].tokens);
+  }
+}

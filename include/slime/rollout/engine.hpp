@@ -41,6 +41,7 @@
 #include <utility>
 #include <vector>
 
+#include "slime/nn/offload.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/ops/attention.hpp"
 #include "slime/ops/elementwise.hpp"
@@ -98,6 +99,7 @@ class Engine {
 
   // Runs every request to completion; results in request order.
   std::vector<Completion> generate(const std::vector<Request>& requests, const Stream& stream = {}) {
+    SLIME_CHECK(!offloaded(), "Engine::generate: the weights are offloaded; call onload() first");
     ensure_arena();
     std::vector<Completion> out(requests.size());
     std::deque<std::size_t> waiting;
@@ -131,6 +133,16 @@ class Engine {
   // Frees the KV arena (colocated training takes the memory); the next
   // generate allocates it again.
   void release_kv_cache() { arena_.release(); }
+
+  // Colocated memory: the KV arena is freed and the weights move to pinned
+  // host memory (weight sync still writes into them there); onload brings
+  // the weights back. generate needs the weights on the device.
+  void offload(const Stream& stream = {}) {
+    release_kv_cache();
+    weights_offload_.offload(*model_, stream);
+  }
+  void onload(const Stream& stream = {}) { weights_offload_.onload(*model_, model_->device(), stream); }
+  bool offloaded() const { return weights_offload_.offloaded(); }
   std::size_t kv_cache_bytes() const { return arena_.nbytes(); }
 
  private:
@@ -335,6 +347,7 @@ class Engine {
   RegionAllocator alloc_;
   int64_t weight_version_ = 0;
   std::vector<int32_t> scratch_;
+  nn::ParameterOffload weights_offload_;
 };
 
 }  // namespace slime::rollout
