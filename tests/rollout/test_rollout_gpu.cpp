@@ -81,6 +81,37 @@ TEST_CASE("gather_rows and scatter_rows on CUDA equal the CPU for every row widt
   }
 }
 
+TEST_CASE("the CUDA sampler picks the host sampler's token", "[rollout][gpu]") {
+  if (cuda_device_count() == 0) SKIP("no CUDA device");
+  const int64_t rows = 37, vocab = 1000;
+  Tensor logits = Tensor::empty({rows, vocab}, DType::f32);
+  fill_normal(logits, 21, 0, 0.f, 3.f);
+  const auto host = logits.to_vector<float>();
+  std::vector<int32_t> scratch;
+  for (float temperature : {0.f, 0.7f, 1.f}) {
+    std::vector<int64_t> keys, steps;
+    std::vector<float> temps;
+    std::vector<int32_t> want;
+    for (int64_t b = 0; b < rows; ++b) {
+      rollout::SamplingParams p;
+      p.temperature = temperature;
+      keys.push_back(int64_t(rollout::sample_stream_key(9, uint64_t(b))));
+      steps.push_back(b * 3);
+      temps.push_back(temperature);
+      want.push_back(rollout::sample_token(host.data() + b * vocab, vocab, p, 9, uint64_t(b), b * 3, scratch));
+    }
+    const Device d = Device::cuda(0);
+    const Tensor z = logits.to(d), k = Tensor::from_vector(keys, {rows}, d), s = Tensor::from_vector(steps, {rows}, d);
+    const Tensor t = Tensor::from_vector(temps, {rows}, d);
+    Tensor tok = Tensor::empty({rows}, DType::i32, d);
+    tok.fill_bytes_(0xff);
+    rollout::cuda::sample_rows(z.data<float>(), rows, vocab, reinterpret_cast<const uint64_t*>(k.data<int64_t>()),
+                               s.data<int64_t>(), t.data<float>(), tok.data<int32_t>(),
+                               Stream::default_for(d).handle());
+    CHECK(tok.to_vector<int32_t>() == want);
+  }
+}
+
 TEST_CASE("CUDA engine: the trainer's recompute of the sampled tokens' logprobs", "[rollout][gpu]") {
   if (cuda_device_count() == 0) SKIP("no CUDA device");
   nn::Qwen3Model m = gpu_model(1);

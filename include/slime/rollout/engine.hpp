@@ -49,6 +49,7 @@
 #include "slime/ops/linear.hpp"
 #include "slime/ops/rope.hpp"
 #include "slime/ops/token_logprobs.hpp"
+#include "slime/rollout/cuda/sampling.hpp"
 #include "slime/rollout/kv_arena.hpp"
 #include "slime/rollout/sampling.hpp"
 
@@ -260,27 +261,20 @@ class Engine {
     ops::gather_rows(hidden, Tensor::from_vector(last_rows, {B}, dev, stream), last, stream);
     const Tensor logits = Tensor::empty({B, c.vocab_size}, DType::f32, dev, stream);
     ops::linear_forward(last, model_->lm_head().value, logits, stream);
-    const std::vector<float> host_logits = logits.to_vector<float>(stream);
-
-    // Sample, then score the sampled tokens with the trainer's op, one call
-    // per distinct temperature.
-    std::vector<int32_t> sampled(static_cast<std::size_t>(B));
+    const std::vector<int32_t> sampled = sample(requests, running, out, logits, stream);
     std::map<float, std::vector<int32_t>> by_temperature;  // temperature -> rows of `last`
     for (int64_t b = 0; b < B; ++b) {
-      const Running& r = running[std::size_t(b)];
-      const Request& req = requests[r.request];
-      const int64_t step_index = int64_t(out[r.request].tokens.size());
-      sampled[std::size_t(b)] = sample_token(host_logits.data() + b * c.vocab_size, c.vocab_size, req.sampling,
-                                             cfg_.seed, req.sample_id, step_index, scratch_);
-      const float t = req.sampling.temperature == 0.f ? 1.f : req.sampling.temperature;
-      by_temperature[t].push_back(int32_t(b));
+      const float t = requests[running[std::size_t(b)].request].sampling.temperature;
+      by_temperature[t == 0.f ? 1.f : t].push_back(int32_t(b));
     }
     std::vector<float> lp(static_cast<std::size_t>(B));
     for (const auto& [temperature, rows] : by_temperature) {
       const int64_t n = int64_t(rows.size());
-      const Tensor idx = Tensor::from_vector(rows, {n}, dev, stream);
-      const Tensor sub = Tensor::empty({n, c.hidden_size}, model_->dtype(), dev, stream);
-      ops::gather_rows(last, idx, sub, stream);
+      Tensor sub = last;  // one temperature (the usual case): every row
+      if (n < B) {
+        sub = Tensor::empty({n, c.hidden_size}, model_->dtype(), dev, stream);
+        ops::gather_rows(last, Tensor::from_vector(rows, {n}, dev, stream), sub, stream);
+      }
       std::vector<int32_t> targets;
       for (int32_t b : rows) targets.push_back(sampled[std::size_t(b)]);
       const ops::TokenLogprobs res =
@@ -309,6 +303,47 @@ class Engine {
       }
       if (r.done) done.weight_version = weight_version_;
     }
+  }
+
+  // One token per running sequence from logits [B, V] f32: on the device
+  // when every request samples without top-k / top-p (only [B] tokens come
+  // back), else on the host from a copy of the logits.
+  std::vector<int32_t> sample(const std::vector<Request>& requests, const std::vector<Running>& running,
+                              const std::vector<Completion>& out, const Tensor& logits, const Stream& stream) {
+    const int64_t B = logits.size(0), V = logits.size(1);
+    std::vector<int32_t> sampled(static_cast<std::size_t>(B));
+    bool on_device = logits.device().is_cuda();
+    for (const Running& r : running) on_device = on_device && !has_filter(requests[r.request].sampling, V);
+#if SLIME_HAS_CUDA
+    if (on_device) {
+      std::vector<int64_t> keys, steps;
+      std::vector<float> temps;
+      for (const Running& r : running) {
+        const Request& req = requests[r.request];
+        const uint64_t key = sample_stream_key(cfg_.seed, req.sample_id);
+        keys.push_back(int64_t(key));  // the bits, read back as uint64_t
+        steps.push_back(int64_t(out[r.request].tokens.size()));
+        temps.push_back(req.sampling.temperature);
+      }
+      const Device d = logits.device();
+      const Tensor k = Tensor::from_vector(keys, {B}, d, stream), st = Tensor::from_vector(steps, {B}, d, stream);
+      const Tensor t = Tensor::from_vector(temps, {B}, d, stream);
+      const Tensor tok = Tensor::empty({B}, DType::i32, d, stream);
+      DeviceGuard guard(d);
+      cuda::sample_rows(logits.data<float>(), B, V, reinterpret_cast<const uint64_t*>(k.data<int64_t>()),
+                        st.data<int64_t>(), t.data<float>(), tok.data<int32_t>(),
+                        (stream.device() == d ? stream : Stream::default_for(d)).handle());
+      return tok.to_vector<int32_t>(stream);
+    }
+#endif
+    const std::vector<float> host = logits.to_vector<float>(stream);
+    for (int64_t b = 0; b < B; ++b) {
+      const Running& r = running[std::size_t(b)];
+      const Request& req = requests[r.request];
+      sampled[std::size_t(b)] = sample_token(host.data() + b * V, V, req.sampling, cfg_.seed, req.sample_id,
+                                             int64_t(out[r.request].tokens.size()), scratch_);
+    }
+    return sampled;
   }
 
   // Attention::forward with the keys and values of earlier steps read from the

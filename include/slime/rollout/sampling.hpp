@@ -4,11 +4,14 @@
 //
 // Given logits z [V] (fp32):
 //   temperature == 0: greedy, argmax z (ties: the lowest token id);
-//   otherwise p = softmax(z / temperature) in double; keep the top_k most
-//   probable tokens (top_k = 0: all), then the smallest prefix of them, in
-//   order of decreasing probability (ties: lower id first), whose mass reaches
-//   top_p (top_p = 1: all); renormalise and draw by inverse CDF over that
-//   order with u = uniform01(philox_word(key(seed, sample id), step)).
+//   otherwise keep the top_k most probable tokens (top_k = 0: all), then the
+//   smallest prefix of them, in order of decreasing probability (ties: lower
+//   id first), whose mass under softmax(z / temperature) reaches top_p
+//   (top_p = 1: all), and return the argmax over the kept tokens of
+//   z_v / temperature + g_v, g_v Gumbel noise from Philox word
+//   step * vocab + v of the stream keyed by (seed, sample id) (the Gumbel-max
+//   trick: exactly a draw from the kept tokens' renormalised softmax). The
+//   CUDA sampler (plain temperature and greedy) computes the same argmax.
 // The logprob a trainer sees is not computed here: the engine reports
 // log softmax(z / temperature)[token] over the full vocabulary (the quantity
 // the trainer recomputes), via the same fused op the trainer uses.
@@ -42,6 +45,12 @@ struct SamplingParams {
   }
 };
 
+// True when top-k or top-p removes tokens (the device sampler handles only
+// plain temperature sampling and greedy decoding).
+inline bool has_filter(const SamplingParams& p, int64_t vocab) {
+  return (p.top_k > 0 && p.top_k < vocab) || p.top_p < 1.f;
+}
+
 // The Philox key of a sample's stream: (seed, sample id) mixed by splitmix64
 // so neighbouring ids get unrelated streams.
 inline uint64_t sample_stream_key(uint64_t seed, uint64_t sample_id) {
@@ -51,8 +60,18 @@ inline uint64_t sample_stream_key(uint64_t seed, uint64_t sample_id) {
   return z ^ (z >> 31);
 }
 
-// Samples a token id from logits [vocab] as described above. `scratch` is
-// reused between calls (no allocation in steady state once it is large enough).
+// The Gumbel noise of token v at a sample's step: -log(-log(u)), u in (0, 1)
+// from Philox word step * vocab + v of the sample's stream. Host and device
+// compute it alike (double logs; the two libms may differ in the last bit).
+SLIME_HOST_DEVICE float gumbel_noise(uint64_t key, int64_t step, int64_t vocab, int64_t v) {
+  const uint32_t w = philox_word(key, uint64_t(step) * uint64_t(vocab) + uint64_t(v));
+  const double u = (double(w >> 8) + 0.5) * (1.0 / 16777216.0);  // (0, 1), never 0 or 1
+  return float(-log(-log(u)));
+}
+
+// Samples a token id from logits [vocab] (Gumbel-max: the argmax over the kept
+// tokens of z / temperature + Gumbel noise is distributed as their softmax).
+// `scratch` is reused between calls.
 inline int32_t sample_token(const float* logits, int64_t vocab, const SamplingParams& p, uint64_t seed,
                             uint64_t sample_id, int64_t step, std::vector<int32_t>& scratch) {
   SLIME_CHECK(vocab >= 1, "sample_token: empty vocabulary");
@@ -62,25 +81,35 @@ inline int32_t sample_token(const float* logits, int64_t vocab, const SamplingPa
       if (logits[v] > logits[best]) best = v;
     return int32_t(best);
   }
-  const double inv_t = 1.0 / double(p.temperature);
-  double zmax = -INFINITY;
-  for (int64_t v = 0; v < vocab; ++v) zmax = std::max(zmax, double(logits[v]) * inv_t);
-  SLIME_CHECK(std::isfinite(zmax), "sample_token: the logits hold no finite value (max ", zmax, ")");
-  // Candidates in order of decreasing logit (= probability), ties by id.
+  const float inv_t = 1.f / p.temperature;
+  const uint64_t key = sample_stream_key(seed, sample_id);
+  auto score = [&](int64_t v) { return logits[v] * inv_t + gumbel_noise(key, step, vocab, v); };
+  auto argmax_over = [&](auto&& ids, int64_t n) {
+    int64_t best = ids(0);
+    float best_score = score(best);
+    for (int64_t i = 1; i < n; ++i) {
+      const int64_t v = ids(i);
+      const float s = score(v);
+      if (s > best_score || (s == best_score && v < best)) {
+        best = v;
+        best_score = s;
+      }
+    }
+    return int32_t(best);
+  };
+  if (!has_filter(p, vocab)) return argmax_over([](int64_t i) { return i; }, vocab);
+  // The kept set: the top_k most probable tokens, then the smallest prefix of
+  // them (by decreasing probability, ties by id) whose mass reaches top_p.
   scratch.resize(std::size_t(vocab));
   std::iota(scratch.begin(), scratch.end(), 0);
   const auto by_prob = [&](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
   const int64_t k = (p.top_k > 0 && p.top_k < vocab) ? p.top_k : vocab;
-  if (k < vocab) {
-    std::partial_sort(scratch.begin(), scratch.begin() + k, scratch.end(), by_prob);
-  } else if (p.top_p < 1.f) {
-    std::sort(scratch.begin(), scratch.end(), by_prob);
-  }
-  // Unnormalised probabilities exp(z/T - max) of the kept candidates.
-  double total = 0;
-  for (int64_t v = 0; v < vocab; ++v) total += std::exp(double(logits[v]) * inv_t - zmax);
+  std::partial_sort(scratch.begin(), scratch.begin() + k, scratch.end(), by_prob);
   int64_t keep = k;
   if (p.top_p < 1.f) {
+    const double zmax = double(logits[scratch[0]]) * inv_t;
+    double total = 0;
+    for (int64_t v = 0; v < vocab; ++v) total += std::exp(double(logits[v]) * inv_t - zmax);
     double mass = 0;
     for (int64_t i = 0; i < k; ++i) {
       mass += std::exp(double(logits[scratch[std::size_t(i)]]) * inv_t - zmax) / total;
@@ -90,15 +119,7 @@ inline int32_t sample_token(const float* logits, int64_t vocab, const SamplingPa
       }
     }
   }
-  double kept = 0;
-  for (int64_t i = 0; i < keep; ++i) kept += std::exp(double(logits[scratch[std::size_t(i)]]) * inv_t - zmax);
-  const double u = double(uniform01(philox_word(sample_stream_key(seed, sample_id), uint64_t(step)))) * kept;
-  double acc = 0;
-  for (int64_t i = 0; i < keep; ++i) {
-    acc += std::exp(double(logits[scratch[std::size_t(i)]]) * inv_t - zmax);
-    if (u < acc) return scratch[std::size_t(i)];
-  }
-  return scratch[std::size_t(keep - 1)];  // u rounded up to the total
+  return argmax_over([&](int64_t i) { return int64_t(scratch[std::size_t(i)]); }, keep);
 }
 
 }  // namespace slime::rollout
