@@ -1,0 +1,87 @@
+// bench_rollout: the rollout engine's generation throughput on an H200,
+// beside transformers' generate with a static cache (bench/torch_rollout.py,
+// same config, random weights, bf16, the same prompts and lengths).
+//
+// rollout/<model>/decode/b<B>: one Engine::generate of B requests, prompt 64
+// tokens, exactly 64 new tokens each (no stop token), temperature 1; the time
+// is the whole call (prefill + 64 decode steps, sampling on the GPU); the
+// counter tokens_per_s = B * 64 / time.
+// Model "dense": hidden 1024, 8 layers, 16 heads / 4 KV heads, head_dim 64,
+// intermediate 3072, vocab 32000 (the dims of the Qwen3-MoE benchmark
+// config with a dense MLP).
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "bench_util.hpp"
+#include "slime/nn/qwen3.hpp"
+#include "slime/rollout/engine.hpp"
+
+namespace {
+
+using namespace slime;
+
+constexpr int64_t kPrompt = 64, kNew = 64;
+
+nn::Qwen3Config dense_config() {
+  nn::Qwen3Config c;
+  c.vocab_size = 32000;
+  c.hidden_size = 1024;
+  c.intermediate_size = 3072;
+  c.num_hidden_layers = 8;
+  c.num_attention_heads = 16;
+  c.num_key_value_heads = 4;
+  c.head_dim = 64;
+  c.max_position_embeddings = 4096;
+  c.rope_theta = 1e6;
+  return c;
+}
+
+std::vector<rollout::Request> requests(int64_t batch) {
+  std::vector<rollout::Request> rs;
+  for (int64_t i = 0; i < batch; ++i) {
+    rollout::Request r;
+    for (int64_t j = 0; j < kPrompt; ++j) r.prompt.push_back(int32_t((i * 7919 + j * 104729) % 32000));
+    r.sample_id = uint64_t(i);
+    r.sampling.max_new_tokens = kNew;
+    rs.push_back(r);
+  }
+  return rs;
+}
+
+void decode(benchmark::State& state, int64_t batch) {
+  if (bench::skip_without_cuda(state)) return;
+  bench::run_or_skip(state, [&] {
+    static nn::Qwen3Model* model = [] {
+      auto* m = new nn::Qwen3Model(dense_config(), {Device::cuda(0), DType::bf16});
+      m->init_random(1, 0.02f);
+      return m;
+    }();
+    rollout::Engine engine(*model, {.max_batch = batch, .max_context = kPrompt + kNew, .kv_capacity = 0, .seed = 1});
+    const auto reqs = requests(batch);
+    engine.generate(reqs);  // warm-up: allocations, cuBLAS handles
+    for (auto _ : state) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto out = engine.generate(reqs);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      state.SetIterationTime(s);
+      if (out[0].tokens.size() != std::size_t(kNew)) state.SkipWithError("a sequence ended early");
+    }
+    state.counters["tokens_per_s"] =
+        benchmark::Counter(double(batch * kNew), benchmark::Counter::kIsIterationInvariantRate);
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int64_t b : {1, 32, 256})
+    benchmark::RegisterBenchmark(("rollout/dense/decode/b" + std::to_string(b)).c_str(),
+                                 [b](benchmark::State& s) { decode(s, b); })
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(3)
+        ->Repetitions(3)
+        ->ReportAggregatesOnly(true);
+  return slime::bench::run_benchmarks(argc, argv);
+}
