@@ -4,7 +4,8 @@
 // SwiGLU → grouped GEMM down → unpermute, plus the auxiliary loss) against a
 // naive per-token loop and by finite differences; the Tensor API against the
 // templates; skewed routing, empty experts, k = 1..8, E = 1, T = 1, odd sizes;
-// determinism; bad-input errors; the "CUDA not implemented yet" error.
+// determinism; bad-input errors. The GPU paths are tested against these in
+// test_moe_ops_gpu.cu.
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
@@ -717,34 +718,4 @@ TEST_CASE("MoE ops reject bad input with clear errors", "[moe][errors]") {
   CHECK_THROWS_WITH(ops::grouped_gemm_backward_input(Tensor::empty({4, 3}, DType::f32), w, l.offsets,
                                                      Tensor::empty({4, 5}, DType::f32)),
                     ContainsSubstring("dy must have shape [rows, 4]"));
-}
-
-TEST_CASE("CUDA tensors get the not-implemented-yet error", "[moe][cuda]") {
-  if (cuda_device_count() == 0) SKIP("no CUDA device: only the CPU paths exist here");
-  const Device d = Device::cuda(0);
-  const std::string msg = "the CUDA path is not implemented yet; use CPU tensors";
-  const Tensor logits = Tensor::zeros({4, 3}, DType::f32, d), probs = Tensor::empty({4, 3}, DType::f32, d);
-  const Tensor idx = Tensor::zeros({4, 2}, DType::i32, d), wts = Tensor::empty({4, 2}, DType::f32, d);
-  CHECK_THROWS_WITH(ops::router_forward(logits, true, probs, idx, wts), ContainsSubstring("router_forward: " + msg));
-  CHECK_THROWS_WITH(ops::router_backward(probs, idx, wts, true, logits), ContainsSubstring("router_backward: " + msg));
-  CHECK_THROWS_WITH(ops::router_aux_loss_forward(probs, idx, Tensor::empty({1}, DType::f32, d)),
-                    ContainsSubstring("router_aux_loss_forward: " + msg));
-  CHECK_THROWS_WITH(ops::router_aux_loss_backward(probs, idx, 1.f, logits),
-                    ContainsSubstring("router_aux_loss_backward: " + msg));
-  CHECK_THROWS_WITH(ops::moe_make_layout(idx, 3), ContainsSubstring("moe_make_layout: " + msg));
-  const ops::MoeLayout l = ops::MoeLayout::empty(4, 2, 3, d);
-  CHECK_THROWS_WITH(ops::moe_build_layout(idx, l), ContainsSubstring("moe_build_layout: " + msg));
-  const Tensor x = Tensor::zeros({4, 5}, DType::f32, d), xg = Tensor::empty({8, 5}, DType::f32, d);
-  CHECK_THROWS_WITH(ops::moe_permute_forward(x, l, xg), ContainsSubstring("moe_permute_forward: " + msg));
-  CHECK_THROWS_WITH(ops::moe_permute_backward(xg, l, x), ContainsSubstring("moe_permute_backward: " + msg));
-  CHECK_THROWS_WITH(ops::moe_unpermute_forward(xg, wts, l, x), ContainsSubstring("moe_unpermute_forward: " + msg));
-  CHECK_THROWS_WITH(ops::moe_unpermute_backward(x, xg, wts, l, Tensor::empty({8, 5}, DType::f32, d),
-                                                Tensor::empty({4, 2}, DType::f32, d)),
-                    ContainsSubstring("moe_unpermute_backward: " + msg));
-  const Tensor w = Tensor::zeros({3, 4, 5}, DType::f32, d), y = Tensor::empty({8, 4}, DType::f32, d);
-  CHECK_THROWS_WITH(ops::grouped_gemm_forward(xg, w, l.offsets, y), ContainsSubstring("grouped_gemm_forward: " + msg));
-  CHECK_THROWS_WITH(ops::grouped_gemm_backward_input(y, w, l.offsets, xg),
-                    ContainsSubstring("grouped_gemm_backward_input: " + msg));
-  CHECK_THROWS_WITH(ops::grouped_gemm_backward_weight(y, xg, l.offsets, w),
-                    ContainsSubstring("grouped_gemm_backward_weight: " + msg));
 }

@@ -1,8 +1,7 @@
 // slime/ops/moe_permute.hpp: the MoE token layout. Groups the T·k token copies
 // (token t, slot j) by expert, gathers them (permute) and scatters the expert
 // outputs back weighted by the router weights (unpermute), with both
-// backwards. CPU only for now: CUDA tensors throw "<op>: the CUDA path is not
-// implemented yet; use CPU tensors".
+// backwards, on the CPU or the GPU.
 //
 // Accumulation contract: parameter gradients accumulate (`+=`) into fp32
 // tensors (none here); activation gradients are written (`=`), or added
@@ -29,8 +28,27 @@
 // instead multiplies each expert's output by its weight in the hidden dtype
 // and index_add_s the products expert by expert, rounding at each step; the
 // results differ by bf16 rounding only.
+//
+// GPU (src/ops/moe_permute.cu): the same layout bit for bit (a stable CUB
+// radix sort), built with a workspace of moe_layout_workspace_bytes(T, k, E)
+// bytes that MoeLayout::empty allocates once on a CUDA device (layout.workspace;
+// a layout without one gets a temporary per build), so steady-state builds
+// allocate nothing; E <= 8192. The permute, unpermute and backwards are
+// gathers through copy_to_row (no atomics, deterministic) with 16-byte
+// vectors where hidden allows; permute forward/backward and unpermute forward
+// equal the CPU bit for bit (slot-order fp32 sums, IEEE adds and multiplies);
+// dweights are block reductions (fp32, another order).
+// The GPU does not validate ids or layouts (that would need device-to-host
+// copies), but stays in bounds: an id outside [0, E) is not counted, its copy
+// goes to the tail rows [offsets[E], N) (so offsets[E] < N tells), and the
+// kernels drop every copy whose row is not below min(offsets[E], N): it adds
+// nothing to dx or y, gets dweight 0, and its grouped row is written with
+// zeros by moe_permute_forward and moe_unpermute_backward. grouped_gemm_*
+// covers rows [0, offsets[E]) only.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -40,12 +58,27 @@
 
 #include "slime/core/tensor.hpp"
 #include "slime/ops/cpu/moe_permute.hpp"
+#include "slime/ops/cuda/moe_permute.hpp"
+#include "slime/ops/elementwise.hpp"
 
 namespace slime::ops {
+
+// Bytes of GPU workspace moe_build_layout needs (0 without CUDA; the CPU
+// path needs none). Queries CUB on the current CUDA device.
+inline std::size_t moe_layout_workspace_bytes(int64_t tokens, int64_t topk, int64_t num_experts) {
+  SLIME_CHECK(tokens >= 0 && topk >= 1 && num_experts >= 1, "moe_layout_workspace_bytes: need tokens >= 0, ",
+              "topk >= 1, num_experts >= 1, got ", tokens, ", ", topk, ", ", num_experts);
+#if SLIME_HAS_CUDA
+  return cuda::moe_layout_workspace_bytes(tokens, topk, num_experts);
+#else
+  return 0;
+#endif
+}
 
 struct MoeLayout {
   int64_t tokens = 0, topk = 0, num_experts = 0;
   Tensor counts, offsets, row_to_copy, copy_to_row;
+  Tensor workspace;  // u8, moe_build_layout's scratch on a CUDA device (undefined on the CPU)
 
   int64_t rows() const { return tokens * topk; }
 
@@ -65,15 +98,18 @@ struct MoeLayout {
     l.offsets = Tensor::empty(Shape{num_experts + 1}, DType::i32, device, stream);
     l.row_to_copy = Tensor::empty(Shape{tokens * topk}, DType::i32, device, stream);
     l.copy_to_row = Tensor::empty(Shape{tokens * topk}, DType::i32, device, stream);
+#if SLIME_HAS_CUDA
+    if (device.is_cuda()) {
+      DeviceGuard guard(device);
+      const std::size_t bytes = moe_layout_workspace_bytes(tokens, topk, num_experts);
+      l.workspace = Tensor::empty(Shape{int64_t(std::max<std::size_t>(bytes, 1))}, DType::u8, device, stream);
+    }
+#endif
     return l;
   }
 };
 
 namespace detail::moe_permute {
-
-[[noreturn]] inline void cuda_not_implemented(std::string_view op) {
-  SLIME_FAIL(op, ": the CUDA path is not implemented yet; use CPU tensors");
-}
 
 // The layout's tensors exist with the right shapes, dtype i32, one device;
 // on the CPU their contents are consistent.
@@ -140,10 +176,25 @@ inline bool overlap(const Tensor& a, const Tensor& b) {
   return pa < pb + b.nbytes() && pb < pa + a.nbytes();
 }
 
+#if SLIME_HAS_CUDA
+// The layout as the GPU kernels read it.
+inline cuda::MoeLayoutView gpu_view(const MoeLayout& l) {
+  return {l.offsets.data<int32_t>(), l.copy_to_row.data<int32_t>(), l.tokens, l.topk, l.num_experts};
+}
+
+// The stream of a GPU call on the layout's device.
+inline Stream gpu_stream(const MoeLayout& l, const Stream& stream, std::string_view op) {
+  return detail::memops::stream_for(l.offsets.device(), stream, op);
+}
+#endif
+
 }  // namespace detail::moe_permute
 
 // Fills `layout` (sized by MoeLayout::empty(T, k, num_experts)) from the
-// router's indices [T, k] i32; every id must be in [0, num_experts).
+// router's indices [T, k] i32; every id must be in [0, num_experts) (checked
+// on the CPU; on the GPU see the top of this file). On the GPU it uses
+// layout.workspace (moe_layout_workspace_bytes; MoeLayout::empty allocates
+// it), or a temporary when that is undefined.
 inline void moe_build_layout(const Tensor& indices, const MoeLayout& layout,
                              [[maybe_unused]] const Stream& stream = {}) {
   constexpr std::string_view op = "moe_build_layout";
@@ -159,11 +210,6 @@ inline void moe_build_layout(const Tensor& indices, const MoeLayout& layout,
                   layout.copy_to_row.defined(),
               op, ": layout tensors are undefined (allocate them with MoeLayout::empty)");
   check_same_device(indices, layout.offsets, "moe_build_layout: indices", "layout.offsets");
-  if (indices.device().is_cuda()) p::cuda_not_implemented(op);
-  const int32_t* ids = indices.data<int32_t>();
-  for (int64_t i = 0; i < indices.numel(); ++i)
-    SLIME_CHECK(ids[i] >= 0 && ids[i] < layout.num_experts, op, ": indices[", i / indices.size(1), ", ",
-                i % indices.size(1), "] = ", ids[i], " is not an expert id in [0, ", layout.num_experts, ")");
   // Shapes of the outputs (the contents are about to be written).
   const int64_t n = layout.rows(), e = layout.num_experts;
   check_shape(layout.counts, Shape{e}, "moe_build_layout: layout.counts");
@@ -174,6 +220,38 @@ inline void moe_build_layout(const Tensor& indices, const MoeLayout& layout,
     check_dtype(*t, DType::i32, "moe_build_layout: layout tensor");
     check_same_device(*t, indices, "moe_build_layout: layout tensor", "indices");
   }
+  if (indices.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    SLIME_CHECK(e <= cuda::kMoeLayoutMaxExperts, op, ": the CUDA path takes at most ", cuda::kMoeLayoutMaxExperts,
+                " experts, got ", e);
+    const Stream s = p::gpu_stream(layout, stream, op);
+    DeviceGuard guard(indices.device());
+    const std::size_t need = cuda::moe_layout_workspace_bytes(layout.tokens, layout.topk, e);
+    Tensor ws = layout.workspace;
+    if (!ws.defined()) {
+      ws = Tensor::empty(Shape{int64_t(std::max<std::size_t>(need, 1))}, DType::u8, indices.device(), s);
+    } else {
+      check_same_device(ws, indices, "moe_build_layout: layout.workspace", "indices");
+      SLIME_CHECK(ws.nbytes() >= need, op, ": layout.workspace has ", ws.nbytes(), " bytes, needs ", need,
+                  " (moe_layout_workspace_bytes)");
+      SLIME_CHECK(reinterpret_cast<std::uintptr_t>(ws.data_ptr()) % 256 == 0, op,
+                  ": layout.workspace must be 256-byte aligned");
+      for (const Tensor* t : {&indices, &layout.counts, &layout.offsets, &layout.row_to_copy, &layout.copy_to_row})
+        SLIME_CHECK(!p::overlap(ws, *t), op, ": layout.workspace overlaps indices or a layout tensor");
+    }
+    cuda::moe_build_layout({indices.data<int32_t>(), layout.tokens, layout.topk, e, layout.counts.data<int32_t>(),
+                            layout.offsets.data<int32_t>(), layout.row_to_copy.data<int32_t>(),
+                            layout.copy_to_row.data<int32_t>(), ws.data_ptr(), ws.nbytes()},
+                           s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
+  const int32_t* ids = indices.data<int32_t>();
+  for (int64_t i = 0; i < indices.numel(); ++i)
+    SLIME_CHECK(ids[i] >= 0 && ids[i] < layout.num_experts, op, ": indices[", i / indices.size(1), ", ",
+                i % indices.size(1), "] = ", ids[i], " is not an expert id in [0, ", layout.num_experts, ")");
   cpu::moe_build_layout(ids, layout.tokens, layout.topk, e, layout.counts.data<int32_t>(),
                         layout.offsets.data<int32_t>(), layout.row_to_copy.data<int32_t>(),
                         layout.copy_to_row.data<int32_t>());
@@ -186,7 +264,6 @@ inline MoeLayout moe_make_layout(const Tensor& indices, int64_t num_experts, con
   SLIME_CHECK(num_experts >= 1 && indices.size(1) >= 1 && indices.size(1) <= num_experts,
               "moe_make_layout: k = ", indices.size(1), " (indices dim 1) must be in [1, num_experts = ", num_experts,
               "]");
-  if (indices.device().is_cuda()) detail::moe_permute::cuda_not_implemented("moe_make_layout");
   MoeLayout l = MoeLayout::empty(indices.size(0), indices.size(1), num_experts, indices.device(), stream);
   moe_build_layout(indices, l, stream);
   return l;
@@ -204,7 +281,16 @@ inline void moe_permute_forward(const Tensor& x, const MoeLayout& layout, const 
   p::check_rows(x_grouped, "x_grouped", layout.rows(), hidden, layout, op);
   check_dtype(x_grouped, x.dtype(), "moe_permute_forward: x_grouped");
   SLIME_CHECK(!p::overlap(x, x_grouped), op, ": x_grouped overlaps x");
-  if (x.device().is_cuda()) p::cuda_not_implemented(op);
+  if (x.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    const Stream s = p::gpu_stream(layout, stream, op);
+    DeviceGuard guard(x.device());
+    cuda::moe_permute_forward(p::gpu_view(layout), x.data_ptr(), x.dtype(), hidden, x_grouped.data_ptr(), s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
   p::visit_f32_bf16(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     cpu::moe_permute_forward(x.data<T>(), layout.row_to_copy.data<int32_t>(), layout.tokens, layout.topk, hidden,
@@ -226,7 +312,17 @@ inline void moe_permute_backward(const Tensor& dx_grouped, const MoeLayout& layo
   SLIME_CHECK(dx.dtype() == dx_grouped.dtype() || dx.dtype() == DType::f32, op,
               ": dx must be dx_grouped's dtype or f32, got ", dx.str());
   SLIME_CHECK(!p::overlap(dx, dx_grouped), op, ": dx overlaps dx_grouped");
-  if (dx.device().is_cuda()) p::cuda_not_implemented(op);
+  if (dx.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    const Stream s = p::gpu_stream(layout, stream, op);
+    DeviceGuard guard(dx.device());
+    cuda::moe_permute_backward(p::gpu_view(layout), dx_grouped.data_ptr(), dx_grouped.dtype(), hidden, dx.data_ptr(),
+                               dx.dtype(), accumulate, s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
   p::visit_f32_bf16(dx_grouped.dtype(), [&](auto tag) {
     using T = decltype(tag);
     p::visit_f32_bf16(dx.dtype(), [&](auto out_tag) {
@@ -254,7 +350,17 @@ inline void moe_unpermute_forward(const Tensor& y_grouped, const Tensor& weights
   SLIME_CHECK(y.dtype() == y_grouped.dtype() || y.dtype() == DType::f32, op,
               ": y must be y_grouped's dtype or f32, got ", y.str());
   SLIME_CHECK(!p::overlap(y, y_grouped) && !p::overlap(y, weights), op, ": y overlaps y_grouped or weights");
-  if (y.device().is_cuda()) p::cuda_not_implemented(op);
+  if (y.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    const Stream s = p::gpu_stream(layout, stream, op);
+    DeviceGuard guard(y.device());
+    cuda::moe_unpermute_forward(p::gpu_view(layout), y_grouped.data_ptr(), y_grouped.dtype(), weights.data_ptr(),
+                                weights.dtype(), hidden, y.data_ptr(), y.dtype(), s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
   p::visit_f32_bf16(y_grouped.dtype(), [&](auto tag) {
     using T = decltype(tag);
     p::visit_f32_bf16(weights.dtype(), [&](auto w_tag) {
@@ -292,7 +398,18 @@ inline void moe_unpermute_backward(const Tensor& dy, const Tensor& y_grouped, co
   for (const Tensor* in : {&dy, &y_grouped, &weights})
     SLIME_CHECK(!p::overlap(dy_grouped, *in) && !p::overlap(dweights, *in), op, ": an output overlaps an input");
   SLIME_CHECK(!p::overlap(dy_grouped, dweights), op, ": dy_grouped overlaps dweights");
-  if (dy.device().is_cuda()) p::cuda_not_implemented(op);
+  if (dy.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    const Stream s = p::gpu_stream(layout, stream, op);
+    DeviceGuard guard(dy.device());
+    cuda::moe_unpermute_backward(p::gpu_view(layout), dy.data_ptr(), y_grouped.data_ptr(), dy.dtype(),
+                                 weights.data_ptr(), weights.dtype(), hidden, dy_grouped.data_ptr(),
+                                 dweights.data_ptr(), s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
   p::visit_f32_bf16(dy.dtype(), [&](auto tag) {
     using T = decltype(tag);
     p::visit_f32_bf16(weights.dtype(), [&](auto w_tag) {

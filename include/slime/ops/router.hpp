@@ -1,7 +1,6 @@
 // slime/ops/router.hpp: the Qwen3-MoE router (softmax over experts, top-k,
 // optional renormalisation of the top-k weights) and the load-balancing
-// auxiliary loss, forward and backward. CPU only for now: CUDA tensors throw
-// "<op>: the CUDA path is not implemented yet; use CPU tensors".
+// auxiliary loss, forward and backward, on the CPU or the GPU.
 //
 // Accumulation contract: parameter gradients accumulate (`+=`) into fp32
 // tensors (the gate weight's, through linear_backward_weight); activation
@@ -33,21 +32,40 @@
 // which can differ on rounding ties); 0 rows give loss 0 (HF: NaN).
 // Gradients treat the top-k selection as constant; the aux loss's gradient
 // flows only through the mean probabilities (the counts are constant).
+//
+// GPU (src/ops/router.cu): E <= 256 experts (cuda::kRouterMaxExperts), any k
+// in [1, E] (k <= 8 is the fast path). Same top-k rule (ties to the lower
+// id); probs differ from the CPU's in the last bits (expf and the order of
+// the softmax sum), so a near tie (two probabilities within an ulp or two)
+// may be ordered differently. Deterministic run to run (no float atomics).
+// The auxiliary loss stays on the device (loss is a device f32 [1]) and needs
+// a workspace of router_aux_loss_workspace_bytes(rows, E) bytes: pass one to
+// allocate nothing in the steady state, or leave it undefined and the call
+// allocates it. Expert ids are not validated on the GPU (that would need a
+// device-to-host copy): an id outside [0, E) is skipped by the backward and
+// by the auxiliary loss's counts.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <string_view>
 
 #include "slime/core/tensor.hpp"
 #include "slime/ops/cpu/router.hpp"
+#include "slime/ops/cuda/router.hpp"
+#include "slime/ops/elementwise.hpp"
 
 namespace slime::ops {
 
 namespace detail::moe_router {
 
-[[noreturn]] inline void cuda_not_implemented(std::string_view op) {
-  SLIME_FAIL(op, ": the CUDA path is not implemented yet; use CPU tensors");
+// The GPU path's limit on the number of experts.
+inline void check_gpu_experts(int64_t experts, std::string_view op) {
+  SLIME_CHECK(experts <= cuda::kRouterMaxExperts, op, ": the CUDA path takes at most ", cuda::kRouterMaxExperts,
+              " experts, got ", experts);
 }
 
 inline void check_2d(const Tensor& t, std::string_view op, std::string_view name, std::string_view dims) {
@@ -102,6 +120,38 @@ void visit_f32_bf16(DType t, F&& f) {
 
 }  // namespace detail::moe_router
 
+// Bytes of GPU workspace router_aux_loss_forward / _backward need for probs
+// [rows, experts] (0 in a build without CUDA; the CPU path needs none).
+inline std::size_t router_aux_loss_workspace_bytes(int64_t rows, int64_t experts) {
+  SLIME_CHECK(rows >= 0 && experts >= 1, "router_aux_loss_workspace_bytes: need rows >= 0 and experts >= 1, got ", rows,
+              " and ", experts);
+#if SLIME_HAS_CUDA
+  return cuda::router_aux_loss_workspace_bytes(rows, experts);
+#else
+  return 0;
+#endif
+}
+
+namespace detail::moe_router {
+
+// The caller's GPU workspace (checked: device, size, alignment, no overlap
+// with the call's tensors) or a fresh one of `bytes` bytes on `s`.
+inline Tensor aux_workspace(const Tensor& workspace, std::size_t bytes, const Tensor& probs, const Tensor& indices,
+                            const Tensor& out, const Stream& s, std::string_view op) {
+  if (!workspace.defined())
+    return Tensor::empty({int64_t(std::max<std::size_t>(bytes, 1))}, DType::u8, probs.device(), s);
+  check_same_device(workspace, probs, std::string(op) + ": workspace", "probs");
+  SLIME_CHECK(workspace.nbytes() >= bytes, op, ": workspace has ", workspace.nbytes(), " bytes, needs ", bytes,
+              " (router_aux_loss_workspace_bytes)");
+  SLIME_CHECK(reinterpret_cast<std::uintptr_t>(workspace.data_ptr()) % 16 == 0, op,
+              ": workspace must be 16-byte aligned");
+  for (const Tensor* t : {&probs, &indices, &out})
+    SLIME_CHECK(!memops::overlap(workspace, *t), op, ": workspace overlaps a tensor of the call");
+  return workspace;
+}
+
+}  // namespace detail::moe_router
+
 // probs [T, E] f32, indices [T, k] i32 and weights [T, k] (logits' dtype or
 // f32) from logits [T, E] (bf16 or f32); k = indices.size(1), 1 <= k <= E.
 inline void router_forward(const Tensor& logits, bool norm_topk_prob, const Tensor& probs, const Tensor& indices,
@@ -120,7 +170,19 @@ inline void router_forward(const Tensor& logits, bool norm_topk_prob, const Tens
               ": weights must be the logits' dtype or f32, got ", weights.str(), " for logits ", logits.str());
   check_same_device(logits, probs, "router_forward: logits", "probs");
   check_same_device(logits, weights, "router_forward: logits", "weights");
-  if (logits.device().is_cuda()) r::cuda_not_implemented(op);
+  if (logits.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    r::check_gpu_experts(experts, op);
+    const Stream s = detail::memops::stream_for(logits.device(), stream, op);
+    DeviceGuard guard(logits.device());
+    cuda::router_forward({logits.data_ptr(), logits.dtype(), tokens, experts, k, norm_topk_prob, probs.data<float>(),
+                          indices.data<int32_t>(), weights.data_ptr(), weights.dtype()},
+                         s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
   r::visit_f32_bf16(logits.dtype(), [&](auto lt) {
     using T = decltype(lt);
     r::visit_f32_bf16(weights.dtype(), [&](auto wt) {
@@ -145,7 +207,20 @@ inline void router_backward(const Tensor& probs, const Tensor& indices, const Te
   r::check_f32_bf16(dweights, op, "dweights");
   check_same_device(dweights, probs, "router_backward: dweights", "probs");
   r::check_dlogits(dlogits, probs, op);
-  if (probs.device().is_cuda()) r::cuda_not_implemented(op);
+  if (probs.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    r::check_gpu_experts(probs.size(1), op);
+    const Stream s = detail::memops::stream_for(probs.device(), stream, op);
+    DeviceGuard guard(probs.device());
+    cuda::router_backward(
+        {probs.data<float>(), indices.data<int32_t>(), dweights.data_ptr(), dweights.dtype(), probs.size(0),
+         probs.size(1), indices.size(1), norm_topk_prob, dlogits.data_ptr(), dlogits.dtype(), accumulate},
+        s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
   r::check_ids(indices, probs.size(1), op);
   r::visit_f32_bf16(dweights.dtype(), [&](auto wt) {
     using TW = decltype(wt);
@@ -157,17 +232,33 @@ inline void router_backward(const Tensor& probs, const Tensor& indices, const Te
   });
 }
 
-// loss (f32, one element) = the auxiliary load-balancing loss over the rows of
-// probs [N, E] and indices [N, k] (not yet multiplied by router_aux_loss_coef).
+// loss (f32, one element, on probs' device) = the auxiliary load-balancing
+// loss over the rows of probs [N, E] and indices [N, k] (not yet multiplied
+// by router_aux_loss_coef). workspace: GPU only, see the top of this file.
 inline void router_aux_loss_forward(const Tensor& probs, const Tensor& indices, const Tensor& loss,
-                                    [[maybe_unused]] const Stream& stream = {}) {
+                                    [[maybe_unused]] const Stream& stream = {},
+                                    [[maybe_unused]] const Tensor& workspace = {}) {
   constexpr std::string_view op = "router_aux_loss_forward";
   namespace r = detail::moe_router;
   r::check_probs_indices(probs, indices, op);
   SLIME_CHECK(loss.defined() && loss.dtype() == DType::f32 && loss.numel() == 1, op,
               ": loss must be an f32 tensor of one element, got ", loss.str());
   check_same_device(loss, probs, "router_aux_loss_forward: loss", "probs");
-  if (probs.device().is_cuda()) r::cuda_not_implemented(op);
+  if (probs.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    r::check_gpu_experts(probs.size(1), op);
+    const Stream s = detail::memops::stream_for(probs.device(), stream, op);
+    DeviceGuard guard(probs.device());
+    const std::size_t bytes = cuda::router_aux_loss_workspace_bytes(probs.size(0), probs.size(1));
+    const Tensor ws = r::aux_workspace(workspace, bytes, probs, indices, loss, s, op);
+    cuda::router_aux_loss_forward({probs.data<float>(), indices.data<int32_t>(), probs.size(0), probs.size(1),
+                                   indices.size(1), ws.data_ptr(), ws.nbytes()},
+                                  loss.data<float>(), s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
   r::check_ids(indices, probs.size(1), op);
   *loss.data<float>() = cpu::router_aux_loss_forward(probs.data<float>(), indices.data<int32_t>(), probs.size(0),
                                                      probs.size(1), indices.size(1));
@@ -176,14 +267,29 @@ inline void router_aux_loss_forward(const Tensor& probs, const Tensor& indices, 
 // dlogits [N, E] (bf16 or f32; = or += with accumulate) of dloss · aux loss;
 // pass dloss = router_aux_loss_coef (times the upstream gradient). To add it
 // to router_backward's gradient with one rounding, use an f32 dlogits and
-// accumulate = true on the second call.
+// accumulate = true on the second call. workspace: GPU only, as the forward's.
 inline void router_aux_loss_backward(const Tensor& probs, const Tensor& indices, float dloss, const Tensor& dlogits,
-                                     bool accumulate = false, [[maybe_unused]] const Stream& stream = {}) {
+                                     bool accumulate = false, [[maybe_unused]] const Stream& stream = {},
+                                     [[maybe_unused]] const Tensor& workspace = {}) {
   constexpr std::string_view op = "router_aux_loss_backward";
   namespace r = detail::moe_router;
   r::check_probs_indices(probs, indices, op);
   r::check_dlogits(dlogits, probs, op);
-  if (probs.device().is_cuda()) r::cuda_not_implemented(op);
+  if (probs.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    r::check_gpu_experts(probs.size(1), op);
+    const Stream s = detail::memops::stream_for(probs.device(), stream, op);
+    DeviceGuard guard(probs.device());
+    const std::size_t bytes = cuda::router_aux_loss_workspace_bytes(probs.size(0), probs.size(1));
+    const Tensor ws = r::aux_workspace(workspace, bytes, probs, indices, dlogits, s, op);
+    cuda::router_aux_loss_backward({probs.data<float>(), indices.data<int32_t>(), probs.size(0), probs.size(1),
+                                    indices.size(1), ws.data_ptr(), ws.nbytes()},
+                                   dloss, dlogits.data_ptr(), dlogits.dtype(), accumulate, s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
   r::check_ids(indices, probs.size(1), op);
   r::visit_f32_bf16(dlogits.dtype(), [&](auto gt) {
     using TG = decltype(gt);
