@@ -1,7 +1,6 @@
 // slime/ops/grouped_gemm.hpp: the grouped GEMM over experts with ragged group
 // sizes (a MoE layer's expert projections), forward, input gradient and
-// weight gradient. CPU only for now: CUDA tensors throw "<op>: the CUDA path
-// is not implemented yet; use CPU tensors".
+// weight gradient, on the CPU (reference) or CUDA (slime/ops/cuda/grouped_gemm.hpp).
 //
 // Accumulation contract: parameter gradients accumulate (`+=`) into fp32
 // tensors (dw); activation gradients are written (`=`), or added (`+=`) when
@@ -15,8 +14,13 @@
 //   grouped_gemm_backward_input   dx_g = dy_g · w_e       (+= with accumulate)
 //   grouped_gemm_backward_weight  dw_e += dy_gᵀ · x_g     (dw f32)
 // x, w and dy share one dtype, bf16 or f32; y and dx are that dtype or f32.
-// A group with no rows is normal. Sums in fp32, rounded once; deterministic.
-// The CPU path validates the offsets' contents.
+// A group with no rows is normal. Sums in fp32, rounded once; deterministic
+// (bitwise run to run on both backends).
+// The CPU path validates the offsets' contents. On CUDA the offsets stay on
+// the device (no host synchronisation; the calls allocate nothing): the
+// kernels check them where it is free and trap on a broken invariant. CUDA
+// runs bf16 inputs with K and Nout multiples of 8 (and 16-byte aligned data)
+// on tensor cores, anything else on a slower fallback kernel.
 #pragma once
 
 #include <cstdint>
@@ -25,13 +29,51 @@
 
 #include "slime/core/tensor.hpp"
 #include "slime/ops/cpu/grouped_gemm.hpp"
+#include "slime/ops/cuda/grouped_gemm.hpp"
 
 namespace slime::ops {
 
 namespace detail::grouped_gemm {
 
-[[noreturn]] inline void cuda_not_implemented(std::string_view op) {
-  SLIME_FAIL(op, ": the CUDA path is not implemented yet; use CPU tensors");
+#if SLIME_HAS_CUDA
+using cuda_pass_tag = cuda::GroupedGemmPass;
+inline constexpr cuda_pass_tag kForward = cuda::GroupedGemmPass::forward;
+inline constexpr cuda_pass_tag kBackwardInput = cuda::GroupedGemmPass::backward_input;
+inline constexpr cuda_pass_tag kBackwardWeight = cuda::GroupedGemmPass::backward_weight;
+#else
+enum class cuda_pass_tag { forward, backward_input, backward_weight };
+inline constexpr cuda_pass_tag kForward = cuda_pass_tag::forward;
+inline constexpr cuda_pass_tag kBackwardInput = cuda_pass_tag::backward_input;
+inline constexpr cuda_pass_tag kBackwardWeight = cuda_pass_tag::backward_weight;
+#endif
+
+// Runs the CUDA kernel on `stream` (or the tensors' device's default stream).
+inline void run_cuda([[maybe_unused]] cuda_pass_tag pass, [[maybe_unused]] const Tensor& a,
+                     [[maybe_unused]] const Tensor& b, [[maybe_unused]] const Tensor& c,
+                     [[maybe_unused]] const Tensor& offsets, [[maybe_unused]] int64_t experts,
+                     [[maybe_unused]] int64_t rows, [[maybe_unused]] int64_t out_features,
+                     [[maybe_unused]] int64_t in_features, [[maybe_unused]] bool accumulate,
+                     [[maybe_unused]] const Stream& stream, [[maybe_unused]] std::string_view op) {
+#if SLIME_HAS_CUDA
+  cuda::GroupedGemmParams p;
+  p.pass = pass;
+  p.a = a.data_ptr();
+  p.b = b.data_ptr();
+  p.c = c.data_ptr();
+  p.offsets = offsets.data<int32_t>();
+  p.in_dtype = a.dtype();
+  p.out_dtype = c.dtype();
+  p.experts = experts;
+  p.rows = rows;
+  p.out_features = out_features;
+  p.in_features = in_features;
+  p.accumulate = accumulate;
+  const Device d = c.device();
+  DeviceGuard guard(d);
+  cuda::grouped_gemm(p, (stream.device() == d ? stream : Stream::default_for(d)).handle());
+#else
+  SLIME_FAIL(op, ": ", c.str(), " is on a CUDA device but slime was built without CUDA");
+#endif
 }
 
 inline bool overlap(const Tensor& a, const Tensor& b) {
@@ -95,7 +137,7 @@ void visit(DType in, DType out, std::string_view op, F&& f) {
 
 // y [N, Nout] = per group x_g [n_e, K] · w[e]ᵀ.
 inline void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& y,
-                                 [[maybe_unused]] const Stream& stream = {}) {
+                                 const Stream& stream = {}) {
   constexpr std::string_view op = "grouped_gemm_forward";
   namespace g = detail::grouped_gemm;
   g::check_weight(w, "w", op);
@@ -108,7 +150,10 @@ inline void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor&
   check_same_device(y, w, "grouped_gemm_forward: y", "w");
   SLIME_CHECK(!g::overlap(y, x) && !g::overlap(y, w), op, ": y overlaps x or w");
   g::check_offsets(offsets, experts, rows, w, op);
-  if (w.device().is_cuda()) g::cuda_not_implemented(op);
+  if (w.device().is_cuda()) {
+    g::visit(w.dtype(), y.dtype(), op, [](auto, auto) {});
+    return g::run_cuda(g::kForward, x, w, y, offsets, experts, rows, out_f, in_f, false, stream, op);
+  }
   g::visit(w.dtype(), y.dtype(), op, [&](auto in_tag, auto out_tag) {
     using T = decltype(in_tag);
     using TOut = decltype(out_tag);
@@ -118,7 +163,7 @@ inline void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor&
 
 // dx [N, K] = per group dy_g [n_e, Nout] · w[e] (dx += with accumulate).
 inline void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx,
-                                        bool accumulate = false, [[maybe_unused]] const Stream& stream = {}) {
+                                        bool accumulate = false, const Stream& stream = {}) {
   constexpr std::string_view op = "grouped_gemm_backward_input";
   namespace g = detail::grouped_gemm;
   g::check_weight(w, "w", op);
@@ -131,7 +176,10 @@ inline void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const
   check_same_device(dx, w, "grouped_gemm_backward_input: dx", "w");
   SLIME_CHECK(!g::overlap(dx, dy) && !g::overlap(dx, w), op, ": dx overlaps dy or w");
   g::check_offsets(offsets, experts, rows, w, op);
-  if (w.device().is_cuda()) g::cuda_not_implemented(op);
+  if (w.device().is_cuda()) {
+    g::visit(w.dtype(), dx.dtype(), op, [](auto, auto) {});
+    return g::run_cuda(g::kBackwardInput, dy, w, dx, offsets, experts, rows, out_f, in_f, accumulate, stream, op);
+  }
   g::visit(w.dtype(), dx.dtype(), op, [&](auto in_tag, auto out_tag) {
     using T = decltype(in_tag);
     using TOut = decltype(out_tag);
@@ -143,7 +191,7 @@ inline void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const
 // dw [E, Nout, K] f32 += per group dy_gᵀ · x_g (always accumulates; zero it
 // before the first micro-batch). Experts with no rows are left as they are.
 inline void grouped_gemm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& offsets, const Tensor& dw,
-                                         [[maybe_unused]] const Stream& stream = {}) {
+                                         const Stream& stream = {}) {
   constexpr std::string_view op = "grouped_gemm_backward_weight";
   namespace g = detail::grouped_gemm;
   g::check_weight(dw, "dw", op);
@@ -157,7 +205,8 @@ inline void grouped_gemm_backward_weight(const Tensor& dy, const Tensor& x, cons
   g::check_act(dy, "dy", rows, out_f, x.dtype(), dw, op);
   SLIME_CHECK(!g::overlap(dw, dy) && !g::overlap(dw, x), op, ": dw overlaps dy or x");
   g::check_offsets(offsets, experts, rows, dw, op);
-  if (dw.device().is_cuda()) g::cuda_not_implemented(op);
+  if (dw.device().is_cuda())
+    return g::run_cuda(g::kBackwardWeight, dy, x, dw, offsets, experts, rows, out_f, in_f, true, stream, op);
   g::visit(x.dtype(), x.dtype(), op, [&](auto in_tag, auto) {
     using T = decltype(in_tag);
     cpu::grouped_gemm_backward_weight(dy.data<T>(), x.data<T>(), offsets.data<int32_t>(), experts, out_f, in_f,

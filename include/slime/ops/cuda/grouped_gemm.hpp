@@ -1,0 +1,78 @@
+// slime/ops/cuda/grouped_gemm.hpp: host-callable CUDA grouped GEMM over experts
+// with ragged group sizes read from DEVICE offsets (defined in
+// src/ops/grouped_gemm.cu); slime/ops/grouped_gemm.hpp dispatches here.
+//
+// Accumulation contract: parameter gradients accumulate (`+=`) into fp32 (dw);
+// activation outputs are written (`=`), or added (`+=`) for backward_input
+// with `accumulate`.
+//
+// Passes (group e = rows [offsets[e], offsets[e+1]), w [E, out, in]):
+//   forward          a = x [rows, in],   b = w,             c = y  [rows, out]   y_g  = x_g · w_eᵀ
+//   backward_input   a = dy [rows, out], b = w,             c = dx [rows, in]    dx_g = dy_g · w_e
+//   backward_weight  a = dy [rows, out], b = x [rows, in],  c = dw [E, out, in]  dw_e += dy_gᵀ · x_g (f32)
+//
+// Kernels: bf16 inputs with in and out features multiples of 8 and 16-byte
+// aligned pointers take the tensor-core kernel (mma.sync m16n8k16, fp32
+// accumulators, cp.async multi-stage pipeline; one CTA per output tile, tiles
+// of all groups linearised and located from the device offsets, so the host
+// never reads them). Anything else (f32 inputs, odd feature counts, unaligned
+// views) takes a simple one-thread-per-output kernel with fp32 sums.
+// Numerics: products summed in fp32, rounded once into c (bf16 or f32).
+// Determinism: bitwise run to run (every output element is owned by one
+// thread of one CTA; fixed summation order; no atomics).
+// No host synchronisation, no allocation. The offsets are checked on the
+// device where it is free (offsets[0] = 0, non-decreasing, offsets[E] = rows);
+// a broken invariant prints and traps (the context is lost).
+// Limits: rows, features and experts fit in int32 (offsets are i32).
+#pragma once
+
+#include <cstdint>
+
+#include "slime/core/cuda_runtime.hpp"
+#include "slime/core/dtype.hpp"
+
+#if SLIME_HAS_CUDA
+namespace slime::ops::cuda {
+
+enum class GroupedGemmPass { forward, backward_input, backward_weight };
+
+// The kernel configurations (CTA tile BM x BN x BK; warps; pipeline stages).
+// `automatic` lets grouped_gemm_tile_for pick; the others force one (the
+// benchmark compares them). `simple` is the fallback kernel.
+enum class GroupedGemmTile : int {
+  automatic = -1,
+  m128n128k32 = 0,  // 4 warps (2 x 2, warp tile 64 x 64), 4 stages, 2 CTAs / SM
+  m128n256k64 = 1,  // 8 warps (2 x 4, warp tile 64 x 64), 3 stages, 1 CTA / SM
+  m128n128k64 = 2,  // 4 warps (2 x 2, warp tile 64 x 64), 3 stages, 2 CTAs / SM
+  simple = 3,       // fallback: one thread per output element, no tensor cores
+};
+inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::m128n128k32, GroupedGemmTile::m128n256k64,
+                                                        GroupedGemmTile::m128n128k64};
+
+struct GroupedGemmParams {
+  GroupedGemmPass pass = GroupedGemmPass::forward;
+  const void* a = nullptr;           // see the table above
+  const void* b = nullptr;           //
+  void* c = nullptr;                 //
+  const int32_t* offsets = nullptr;  // [experts + 1], device
+  DType in_dtype = DType::bf16;      // a and b: bf16 or f32
+  DType out_dtype = DType::bf16;     // c: in_dtype or f32 (f32 for backward_weight)
+  int64_t experts = 0, rows = 0, out_features = 0, in_features = 0;
+  bool accumulate = false;  // backward_input: dx += (backward_weight always adds)
+  GroupedGemmTile tile = GroupedGemmTile::automatic;
+};
+
+// Runs on `stream` of the current device. Throws slime::Error for unsupported
+// dtypes, sizes past int32, or a tensor-core tile forced on inputs that need
+// the fallback.
+void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream);
+
+// The kernel grouped_gemm(p) runs: p.tile when forced, else the dispatcher's
+// choice by pass and shape (simple when the inputs need the fallback).
+GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p);
+
+// "m128n256k64", ..., "simple", "automatic".
+const char* grouped_gemm_tile_name(GroupedGemmTile t);
+
+}  // namespace slime::ops::cuda
+#endif

@@ -1,0 +1,277 @@
+// The grouped GEMM on the GPU against the CPU reference (ops::cpu templates in
+// double precision, from the same already-rounded inputs) on fresh random
+// inputs: ragged groups with odd row counts and empty groups, all rows in one
+// group, E = 1, 8, 128 and 300 (more experts than a CTA has threads, so the
+// tile search scans in chunks), (K, Nout) in {(2048, 768), (768, 2048),
+// (64, 72), (40, 24)} on the tensor-core kernel (every tile configuration and
+// the dispatcher's choice) and (37, 21) and f32 inputs on the fallback;
+// bf16 and f32 outputs, accumulate on and off, outputs poisoned with 0xff
+// (NaN) first; bitwise run-to-run determinism; no allocation in steady state.
+//
+// Tolerances, as ‖gpu − ref‖ / ‖ref‖:
+//   bf16 outputs: 1e-2. Rounding the exact result once to bf16 is off by at
+//     most 2^-9 = 1.95e-3 relative per element (~1.1e-3 rms); the fp32 sums
+//     add ~1e-6. 1e-2 leaves margin; any indexing or fragment-layout error
+//     gives O(1).
+//   f32 outputs: 1e-4 (tighter than the 2e-3 the issue allows). bf16 products
+//     are exact in fp32 and the tensor cores and the fallback sum in fp32: the
+//     error of a sum of K <= 2048 terms is ~sqrt(K) · 2^-24 ≈ 3e-6 relative
+//     (the f32-input fallback likewise); 1e-4 covers the tensor cores'
+//     non-IEEE accumulation rounding with margin.
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "slime/core/memory.hpp"
+#include "slime/core/random.hpp"
+#include "slime/ops/cuda/grouped_gemm.hpp"
+#include "slime/ops/grouped_gemm.hpp"
+
+using namespace slime;
+using Catch::Matchers::ContainsSubstring;
+using ops::cuda::GroupedGemmPass;
+using ops::cuda::GroupedGemmTile;
+
+namespace {
+
+constexpr double kTolBf16 = 1e-2;
+constexpr double kTolF32 = 1e-4;
+
+double tolerance(DType out) { return out == DType::bf16 ? kTolBf16 : kTolF32; }
+
+Tensor random_on(const Shape& shape, DType dt, Device d, uint64_t seed, const Stream& s) {
+  Tensor t = Tensor::empty(shape, dt, d, s);
+  fill_normal(t, seed, 0, 0.f, 1.f, s);
+  return t;
+}
+
+std::vector<double> to_double(const Tensor& t, const Stream& s) {
+  std::vector<double> out(static_cast<std::size_t>(t.numel()));
+  if (t.dtype() == DType::f32) {
+    const auto v = t.to_vector<float>(s);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = v[i];
+  } else {
+    const auto v = t.to_vector<BFloat16>(s);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = double(float(v[i]));
+  }
+  return out;
+}
+
+void check_against(const Tensor& got, const std::vector<double>& want, const Stream& s, const std::string& what) {
+  const std::vector<double> g = to_double(got, s);
+  REQUIRE(g.size() == want.size());
+  int64_t non_finite = 0;
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    if (!std::isfinite(g[i])) {
+      ++non_finite;
+      continue;
+    }
+    num += (g[i] - want[i]) * (g[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  const double rel = den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+  INFO(what << ": relative error " << rel << ", " << non_finite << " non-finite of " << g.size());
+  CHECK(non_finite == 0);
+  CHECK(rel <= tolerance(got.dtype()));
+}
+
+std::vector<int32_t> offsets_of(const std::vector<int32_t>& sizes) {
+  std::vector<int32_t> o(sizes.size() + 1, 0);
+  for (std::size_t e = 0; e < sizes.size(); ++e) o[e + 1] = o[e] + sizes[e];
+  return o;
+}
+
+// Group sizes in [0, max_rows], about a quarter of them empty.
+std::vector<int32_t> random_sizes(int64_t experts, int max_rows, uint64_t seed) {
+  std::vector<int32_t> s(std::size_t(experts), 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    const uint64_t r = philox_word(seed, uint64_t(e));
+    s[std::size_t(e)] = r % 4 == 0 ? 0 : int32_t((r >> 8) % uint64_t(max_rows + 1));
+  }
+  return s;
+}
+
+struct Case {
+  std::string name;
+  std::vector<int32_t> sizes;
+  int64_t in_f, out_f;
+  DType in_dtype = DType::bf16;
+};
+
+// One pass on the GPU: through the Tensor API for `automatic`, else through
+// the CUDA API with the tile forced.
+void run_pass(GroupedGemmPass pass, GroupedGemmTile tile, const Tensor& a, const Tensor& b, const Tensor& c,
+              const Tensor& offsets, int64_t in_f, int64_t out_f, bool accumulate, const Stream& s) {
+  if (tile == GroupedGemmTile::automatic) {
+    switch (pass) {
+      case GroupedGemmPass::forward:
+        return ops::grouped_gemm_forward(a, b, offsets, c, s);
+      case GroupedGemmPass::backward_input:
+        return ops::grouped_gemm_backward_input(a, b, offsets, c, accumulate, s);
+      case GroupedGemmPass::backward_weight:
+        return ops::grouped_gemm_backward_weight(a, b, offsets, c, s);
+    }
+  }
+  ops::cuda::GroupedGemmParams p;
+  p.pass = pass;
+  p.a = a.data_ptr();
+  p.b = b.data_ptr();
+  p.c = c.data_ptr();
+  p.offsets = offsets.data<int32_t>();
+  p.in_dtype = a.dtype();
+  p.out_dtype = c.dtype();
+  p.experts = offsets.numel() - 1;
+  p.rows = a.size(0);
+  p.out_features = out_f;
+  p.in_features = in_f;
+  p.accumulate = accumulate;
+  p.tile = tile;
+  DeviceGuard guard(c.device());
+  ops::cuda::grouped_gemm(p, s.handle());
+}
+
+void check_case(const Case& c, uint64_t seed) {
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  const int64_t E = int64_t(c.sizes.size()), K = c.in_f, No = c.out_f;
+  const std::vector<int32_t> off = offsets_of(c.sizes);
+  const int64_t N = off.back();
+  INFO("case " << c.name << ": E=" << E << " rows=" << N << " K=" << K << " Nout=" << No << " in "
+               << dtype_name(c.in_dtype));
+  const Tensor offsets = Tensor::from_vector(off, {E + 1}, d, s);
+  const Tensor x = random_on({N, K}, c.in_dtype, d, seed, s), w = random_on({E, No, K}, c.in_dtype, d, seed + 1, s),
+               dy = random_on({N, No}, c.in_dtype, d, seed + 2, s);
+  const std::vector<double> xd = to_double(x, s), wd = to_double(w, s), dyd = to_double(dy, s);
+  std::vector<double> y_ref(std::size_t(N * No)), dx_ref(std::size_t(N * K)), dw_ref(std::size_t(E * No * K), 0.0);
+  ops::cpu::grouped_gemm_forward(xd.data(), wd.data(), off.data(), E, No, K, y_ref.data());
+  ops::cpu::grouped_gemm_backward_input(dyd.data(), wd.data(), off.data(), E, No, K, dx_ref.data());
+  ops::cpu::grouped_gemm_backward_weight(dyd.data(), xd.data(), off.data(), E, No, K, dw_ref.data());
+
+  std::vector<GroupedGemmTile> tiles = {GroupedGemmTile::automatic, GroupedGemmTile::simple};
+  ops::cuda::GroupedGemmParams probe;
+  probe.in_dtype = c.in_dtype;
+  probe.out_features = No;
+  probe.in_features = K;
+  probe.a = x.data_ptr();
+  probe.b = w.data_ptr();
+  probe.c = dy.data_ptr();
+  const bool tensor_cores = ops::cuda::grouped_gemm_tile_for(probe) != GroupedGemmTile::simple;
+  if (tensor_cores) {
+    for (GroupedGemmTile t : ops::cuda::kGroupedGemmTiles) tiles.push_back(t);
+  } else {
+    // A tensor-core tile cannot be forced on inputs that need the fallback.
+    Tensor y = Tensor::empty({N, No}, DType::f32, d, s);
+    CHECK_THROWS_WITH(
+        run_pass(GroupedGemmPass::forward, GroupedGemmTile::m128n128k32, x, w, y, offsets, K, No, false, s),
+        ContainsSubstring("needs bf16 inputs, in and out features multiples of 8"));
+  }
+
+  std::vector<DType> outs = {DType::f32};
+  if (c.in_dtype == DType::bf16) outs.push_back(DType::bf16);
+  for (GroupedGemmTile tile : tiles) {
+    for (DType out : outs) {
+      INFO("tile " << ops::cuda::grouped_gemm_tile_name(tile) << " (runs " << ops::cuda::grouped_gemm_tile_name([&] {
+             ops::cuda::GroupedGemmParams q = probe;
+             q.tile = tile;
+             return ops::cuda::grouped_gemm_tile_for(q);
+           }()) << "), out "
+                   << dtype_name(out));
+      Tensor y = Tensor::empty({N, No}, out, d, s);
+      y.fill_bytes_(0xff, s);
+      run_pass(GroupedGemmPass::forward, tile, x, w, y, offsets, K, No, false, s);
+      check_against(y, y_ref, s, "y");
+
+      Tensor dx = Tensor::empty({N, K}, out, d, s);
+      dx.fill_bytes_(0xff, s);
+      run_pass(GroupedGemmPass::backward_input, tile, dy, w, dx, offsets, K, No, false, s);
+      check_against(dx, dx_ref, s, "dx");
+
+      Tensor dx_acc = random_on({N, K}, out, d, seed + 3, s);
+      std::vector<double> dx_acc_ref = to_double(dx_acc, s);
+      for (std::size_t i = 0; i < dx_acc_ref.size(); ++i) dx_acc_ref[i] += dx_ref[i];
+      run_pass(GroupedGemmPass::backward_input, tile, dy, w, dx_acc, offsets, K, No, true, s);
+      check_against(dx_acc, dx_acc_ref, s, "dx (accumulate)");
+
+      if (out != DType::f32) continue;  // dw is always f32
+      // dw += on top of random values; experts with no rows keep theirs.
+      Tensor dw = random_on({E, No, K}, DType::f32, d, seed + 4, s);
+      const Tensor dw0 = dw.clone(s);
+      std::vector<double> dw_acc_ref = to_double(dw, s);
+      for (std::size_t i = 0; i < dw_acc_ref.size(); ++i) dw_acc_ref[i] += dw_ref[i];
+      run_pass(GroupedGemmPass::backward_weight, tile, dy, x, dw, offsets, K, No, false, s);
+      check_against(dw, dw_acc_ref, s, "dw (accumulate)");
+
+      // Bitwise run to run: the same sums from the same start.
+      Tensor dw2 = dw0.clone(s);
+      run_pass(GroupedGemmPass::backward_weight, tile, dy, x, dw2, offsets, K, No, false, s);
+      const auto v1 = dw.to_vector<float>(s), v2 = dw2.to_vector<float>(s);
+      CHECK(std::memcmp(v1.data(), v2.data(), v1.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("grouped GEMM on the GPU matches the CPU reference on the Qwen3-30B-A3B projections",
+          "[ops][moe][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  // gate/up (2048 -> 768) and down (768 -> 2048) with ragged odd groups; the
+  // 255- and 300-row groups span several m-tiles, 768 and 2048 several n-tiles.
+  check_case({"gate_up", {37, 0, 129, 1, 0, 64, 255, 17}, 2048, 768}, 100);
+  check_case({"down", {128, 0, 0, 300, 5, 1, 77, 0}, 768, 2048}, 200);
+}
+
+TEST_CASE("grouped GEMM on the GPU matches the CPU reference on small and odd shapes", "[ops][moe][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  // Feature counts that are not multiples of the tiles (K 40: a partial
+  // k-step; Nout 72 / 24: partial n-tiles), many experts with empty groups.
+  check_case({"E128 64x72", random_sizes(128, 40, 11), 64, 72}, 300);
+  check_case({"E128 40x24", random_sizes(128, 33, 12), 40, 24}, 400);
+  // More experts than threads per CTA: the tile search scans in chunks.
+  check_case({"E300 64x72", random_sizes(300, 21, 13), 64, 72}, 500);
+  check_case({"E1", {577}, 64, 72}, 600);
+  check_case({"one group", {0, 0, 0, 1000, 0, 0, 0, 0}, 64, 72}, 700);
+  check_case({"last group", {0, 0, 0, 0, 0, 0, 0, 333}, 40, 24}, 800);
+  check_case({"single rows", {1, 1, 0, 1, 1, 1, 1, 1}, 2048, 768}, 900);
+}
+
+TEST_CASE("grouped GEMM on the GPU falls back for odd features and f32 inputs", "[ops][moe][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  check_case({"K37 Nout21", {17, 0, 127, 3, 0, 1, 40, 9}, 37, 21}, 1000);
+  check_case({"f32 inputs", {17, 0, 127, 3, 0, 1, 40, 9}, 64, 72, DType::f32}, 1100);
+  check_case({"f32 E128", random_sizes(128, 12, 14), 40, 24, DType::f32}, 1200);
+}
+
+TEST_CASE("grouped GEMM on the GPU with no rows writes nothing and keeps dw", "[ops][moe][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  check_case({"all empty", {0, 0, 0, 0}, 64, 72}, 1300);
+}
+
+TEST_CASE("grouped GEMM on the GPU allocates nothing in steady state", "[ops][moe][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  const std::vector<int32_t> off = offsets_of({100, 0, 28, 256});
+  const int64_t E = 4, N = off.back(), K = 256, No = 128;
+  const Tensor offsets = Tensor::from_vector(off, {E + 1}, d, s);
+  Tensor x = random_on({N, K}, DType::bf16, d, 21, s), w = random_on({E, No, K}, DType::bf16, d, 22, s),
+         dy = random_on({N, No}, DType::bf16, d, 23, s);
+  Tensor y = Tensor::empty({N, No}, DType::bf16, d, s), dx = Tensor::empty({N, K}, DType::bf16, d, s);
+  Tensor dw = Tensor::zeros({E, No, K}, DType::f32, d, s);
+  ops::grouped_gemm_forward(x, w, offsets, y, s);
+  s.synchronize();
+  const int64_t allocations = memory_stats(d).allocations;
+  for (int i = 0; i < 5; ++i) {
+    ops::grouped_gemm_forward(x, w, offsets, y, s);
+    ops::grouped_gemm_backward_input(dy, w, offsets, dx, i % 2 == 1, s);
+    ops::grouped_gemm_backward_weight(dy, x, offsets, dw, s);
+  }
+  s.synchronize();
+  CHECK(memory_stats(d).allocations == allocations);
+}
