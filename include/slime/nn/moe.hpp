@@ -1,0 +1,269 @@
+// slime/nn/moe.hpp: SparseMoeBlock, transformers' Qwen3MoeSparseMoeBlock (a
+// top-k softmax router over E SwiGLU experts), run locally or with expert
+// parallelism (parallel::ExpertParallel).
+//
+// Accumulation contract: parameter gradients accumulate (`+=`) into fp32
+// tensors (Parameter::grad); activation gradients are written (`=`).
+//
+// Forward, exactly Qwen3MoeSparseMoeBlock.forward (modeling_qwen3_moe.py):
+//   logits  [T, E] = x · gate.weightᵀ, in the module dtype (HF's gate is an
+//                    nn.Linear in the model dtype)
+//   probs   [T, E] = softmax(logits) in fp32; indices [T, k] = its top-k
+//   weights [T, k] = the top-k probabilities, renormalised when
+//                    norm_topk_prob, cast to the module dtype
+//   y       [T, H] = Σ_j weights[t, j] · down_e(silu(gate_e(x_t)) ⊙ up_e(x_t)),
+//                    e = indices[t, j]
+// Rounding differences from HF are the ops' (see ops/moe_permute.hpp and
+// ops/swiglu.hpp: one rounding per output instead of one per step). The
+// experts run on the grouped layout: rows grouped by expert, grouped GEMMs
+// for gate and up, SwiGLU, a grouped GEMM for down. Without expert
+// parallelism: layout → permute → experts → unpermute. With it: dispatch →
+// experts → combine, giving the same numbers (bitwise on the CPU when the
+// ranks' tokens, concatenated in ep-rank order, are the unsharded batch).
+//
+// Parameters (HF names; the experts stacked along dim 0, see nn::Parameter):
+//   <prefix>.gate.weight                   [E, H]
+//   <prefix>.experts.{}.gate_proj.weight   [E_local, I, H]
+//   <prefix>.experts.{}.up_proj.weight     [E_local, I, H]
+//   <prefix>.experts.{}.down_proj.weight   [E_local, H, I]
+// with E_local = E / ep and first_expert = the ep rank's first expert (E and 0
+// without expert parallelism). The router's gate is replicated: under expert
+// parallelism each rank's gate gradient covers its own tokens only (reduce it
+// over the data-parallel ranks as any replicated parameter).
+//
+// Memory: forward keeps what backward needs in the Context, in buffers that
+// keep their capacity when the Context is reused (one Context per micro-batch
+// in flight), so a steady-state forward allocates only its output y.
+// backward allocates its output dx and its temporaries (from the stream-ordered
+// pool on the GPU: L layers share them instead of each holding its own).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "slime/nn/module.hpp"
+#include "slime/ops/elementwise.hpp"
+#include "slime/ops/grouped_gemm.hpp"
+#include "slime/ops/linear.hpp"
+#include "slime/ops/moe_permute.hpp"
+#include "slime/ops/router.hpp"
+#include "slime/ops/swiglu.hpp"
+#include "slime/parallel/expert_parallel.hpp"
+
+namespace slime::nn {
+
+struct MoeBlockConfig {
+  int64_t hidden_size = 0, moe_intermediate_size = 0, num_experts = 0, num_experts_per_tok = 0;
+  bool norm_topk_prob = true;
+};
+
+struct SparseMoeBlock {
+  struct Context {
+    Tensor router_logits;  // [T, E] module dtype, as HF returns them
+    Tensor probs;          // [T, E] f32 (for the auxiliary loss)
+    Tensor indices;        // [T, k] i32, global expert ids
+    Tensor weights;        // [T, k] module dtype
+    Tensor x;              // [T, H] the input
+    // The local experts' rows (R of them), grouped by local expert.
+    Tensor x_rows;                      // [R, H]
+    Tensor offsets;                     // i32 [E_local + 1]
+    Tensor gate, up, h;                 // [R, I]
+    Tensor y_rows;                      // [R, H] the experts' outputs
+    ops::MoeLayout layout;              // without expert parallelism
+    parallel::DispatchHandle dispatch;  // with expert parallelism
+    // Capacity of the tensors above (see parallel::detail::rows_view).
+    struct Buffers {
+      Tensor logits, probs, indices, weights, x_rows, gate, up, h, y_rows;
+      Tensor counts, offsets, row_to_copy, copy_to_row;
+    } buffers;
+  };
+
+  ModuleOptions options;
+  MoeBlockConfig config;
+  Parameter gate;                           // "<prefix>.gate.weight" [E, H]
+  Parameter gate_proj, up_proj, down_proj;  // stacked experts, see the top of this file
+
+  SparseMoeBlock() = default;
+  // `prefix` is the HF module path, e.g. "model.layers.0.mlp". With `ep`
+  // (which must outlive the block; it may serve every layer) this rank holds
+  // experts [ep->first_expert(), + ep->num_local_experts()).
+  SparseMoeBlock(const std::string& prefix, const MoeBlockConfig& cfg, ModuleOptions opt,
+                 parallel::ExpertParallel<>* ep = nullptr)
+      : options(opt), config(cfg), ep_(ep) {
+    detail::check_module_options(opt, prefix);
+    SLIME_CHECK(cfg.hidden_size > 0 && cfg.moe_intermediate_size > 0 && cfg.num_experts > 0, prefix,
+                ": hidden_size, moe_intermediate_size and num_experts must be positive, got ", cfg.hidden_size, ", ",
+                cfg.moe_intermediate_size, ", ", cfg.num_experts);
+    SLIME_CHECK(cfg.num_experts_per_tok >= 1 && cfg.num_experts_per_tok <= cfg.num_experts, prefix,
+                ": num_experts_per_tok = ", cfg.num_experts_per_tok, " must be in [1, num_experts = ", cfg.num_experts,
+                "]");
+    int64_t local = cfg.num_experts, first = 0;
+    if (ep != nullptr) {
+      SLIME_CHECK(ep->num_experts() == cfg.num_experts, prefix, ": the ExpertParallel splits ", ep->num_experts(),
+                  " experts but the block has num_experts = ", cfg.num_experts);
+      SLIME_CHECK(ep->device() == opt.device, prefix, ": the ep communicator works on ", ep->device(),
+                  " but the block is on ", opt.device);
+      local = ep->num_local_experts();
+      first = ep->first_expert();
+    }
+    const int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size;
+    gate.name = prefix + ".gate.weight";
+    gate.value = Tensor::empty({cfg.num_experts, H}, opt.dtype, opt.device);
+    auto expert = [&](Parameter& p, const char* name, int64_t out, int64_t in) {
+      p.name = prefix + ".experts.{}." + name + ".weight";
+      p.value = Tensor::empty({local, out, in}, opt.dtype, opt.device);
+      p.first_expert = first;
+    };
+    expert(gate_proj, "gate_proj", I, H);
+    expert(up_proj, "up_proj", I, H);
+    expert(down_proj, "down_proj", H, I);
+  }
+
+  int64_t hidden_size() const { return config.hidden_size; }
+  int64_t num_local_experts() const { return gate_proj.value.size(0); }
+  parallel::ExpertParallel<>* expert_parallel() const { return ep_; }
+
+  template <class F>
+  void for_each_parameter(F&& f) {
+    f(gate);
+    f(gate_proj);
+    f(up_proj);
+    f(down_proj);
+  }
+
+  // x [T, H] -> y [T, H] (a new tensor). Every rank of the ep group must call
+  // it, also with T = 0.
+  Tensor forward(const Tensor& x, Context& ctx, const Stream& stream = {}) {
+    using parallel::detail::rows_view;
+    using parallel::detail::vec_view;
+    detail::check_activation(x, options, config.hidden_size, gate.name + ": x");
+    SLIME_CHECK(x.dim() == 2, gate.name, ": x must be 2-D [tokens, hidden], got ", x.str());
+    const Device dev = options.device;
+    const DType dt = options.dtype;
+    const int64_t T = x.size(0), H = config.hidden_size, E = config.num_experts, k = config.num_experts_per_tok;
+    const int64_t I = config.moe_intermediate_size;
+    Context::Buffers& b = ctx.buffers;
+
+    ctx.x = x;
+    ctx.router_logits = rows_view(b.logits, T, E, dt, dev, stream);
+    ops::linear_forward(x, gate.value, ctx.router_logits, stream);
+    ctx.probs = rows_view(b.probs, T, E, DType::f32, dev, stream);
+    ctx.indices = rows_view(b.indices, T, k, DType::i32, dev, stream);
+    ctx.weights = rows_view(b.weights, T, k, dt, dev, stream);
+    ops::router_forward(ctx.router_logits, config.norm_topk_prob, ctx.probs, ctx.indices, ctx.weights, stream);
+
+    if (ep_ != nullptr) {
+      ctx.x_rows = ep_->dispatch(x, ctx.indices, ctx.dispatch, stream);
+      ctx.offsets = ctx.dispatch.local_offsets();
+    } else {
+      ops::MoeLayout& l = ctx.layout;
+      l.tokens = T;
+      l.topk = k;
+      l.num_experts = E;
+      l.counts = vec_view(b.counts, E, DType::i32, dev, stream);
+      l.offsets = vec_view(b.offsets, E + 1, DType::i32, dev, stream);
+      l.row_to_copy = vec_view(b.row_to_copy, T * k, DType::i32, dev, stream);
+      l.copy_to_row = vec_view(b.copy_to_row, T * k, DType::i32, dev, stream);
+      ops::moe_build_layout(ctx.indices, l, stream);
+      ctx.x_rows = rows_view(b.x_rows, T * k, H, dt, dev, stream);
+      ops::moe_permute_forward(x, l, ctx.x_rows, stream);
+      ctx.offsets = l.offsets;
+    }
+
+    const int64_t R = ctx.x_rows.size(0);
+    ctx.gate = rows_view(b.gate, R, I, dt, dev, stream);
+    ctx.up = rows_view(b.up, R, I, dt, dev, stream);
+    ctx.h = rows_view(b.h, R, I, dt, dev, stream);
+    ctx.y_rows = rows_view(b.y_rows, R, H, dt, dev, stream);
+    ops::grouped_gemm_forward(ctx.x_rows, gate_proj.value, ctx.offsets, ctx.gate, stream);
+    ops::grouped_gemm_forward(ctx.x_rows, up_proj.value, ctx.offsets, ctx.up, stream);
+    ops::swiglu_forward(ctx.gate, ctx.up, ctx.h, stream);
+    ops::grouped_gemm_forward(ctx.h, down_proj.value, ctx.offsets, ctx.y_rows, stream);
+
+    Tensor y = Tensor::empty({T, H}, dt, dev, stream);
+    if (ep_ != nullptr) {
+      ep_->combine(ctx.y_rows, ctx.weights, ctx.dispatch, stream, y);
+    } else {
+      ops::moe_unpermute_forward(ctx.y_rows, ctx.weights, ctx.layout, y, stream);
+    }
+    return y;
+  }
+
+  // dx [T, H] (a new tensor, written); the four weights' gradients accumulate
+  // (fp32). aux_dlogits: optional f32 [T, E], the gradient of an auxiliary
+  // loss w.r.t. this block's router logits, added to the router's own
+  // gradient (in fp32, before the one rounding to the module dtype).
+  Tensor backward(const Context& ctx, const Tensor& dy, const Stream& stream = {}, const Tensor& aux_dlogits = {}) {
+    const std::string what = gate.name + ": backward";
+    SLIME_CHECK(ctx.x.defined() && ctx.y_rows.defined(), what, ": the context holds no forward");
+    detail::check_activation(dy, options, config.hidden_size, what + ": dy");
+    SLIME_CHECK(dy.shape() == ctx.x.shape(), what, ": dy must have the input's shape ", ctx.x.shape(), ", got ",
+                dy.str());
+    const Device dev = options.device;
+    const DType dt = options.dtype;
+    const int64_t T = ctx.x.size(0), H = config.hidden_size, E = config.num_experts, k = config.num_experts_per_tok;
+    if (aux_dlogits.defined()) {
+      SLIME_CHECK(
+          aux_dlogits.dtype() == DType::f32 && aux_dlogits.shape() == Shape({T, E}) && aux_dlogits.device() == dev,
+          what, ": aux_dlogits must be f32 [", T, ", ", E, "] on ", dev, ", got ", aux_dlogits.str());
+    }
+
+    // Combine's backward: d expert outputs and d router weights.
+    Tensor dy_rows, dweights;
+    if (ep_ != nullptr) {
+      auto g = ep_->combine_backward(dy, ctx.dispatch, stream);
+      dy_rows = g.d_expert_out;
+      dweights = g.dweights;
+    } else {
+      dy_rows = Tensor::empty(ctx.y_rows.shape(), dt, dev, stream);
+      dweights = Tensor::empty({T, k}, dt, dev, stream);
+      ops::moe_unpermute_backward(dy, ctx.y_rows, ctx.weights, ctx.layout, dy_rows, dweights, stream);
+    }
+
+    // The experts.
+    const Tensor dx_rows = experts_backward(ctx, dy_rows, stream);
+    Tensor dx = Tensor::empty({T, H}, dt, dev, stream);
+    if (ep_ != nullptr) {
+      ep_->dispatch_backward(dx_rows, ctx.dispatch, stream, dx);
+    } else {
+      ops::moe_permute_backward(dx_rows, ctx.layout, dx, /*accumulate=*/false, stream);
+    }
+
+    // The router: dlogits in fp32 (+ the auxiliary loss's), then the gate.
+    Tensor dlogits = Tensor::empty({T, E}, DType::f32, dev, stream);
+    ops::router_backward(ctx.probs, ctx.indices, dweights, config.norm_topk_prob, dlogits, /*accumulate=*/false,
+                         stream);
+    if (aux_dlogits.defined()) ops::add_(dlogits, aux_dlogits, stream);
+    Tensor dlogits_dt = dlogits;
+    if (dt != DType::f32) {
+      dlogits_dt = Tensor::empty({T, E}, dt, dev, stream);
+      ops::cast(dlogits, dlogits_dt, stream);
+    }
+    ops::linear_backward_input(dlogits_dt, gate.value, dx, /*accumulate=*/true, stream);
+    ops::linear_backward_weight(dlogits_dt, ctx.x, gate.ensure_grad(stream), stream);
+    return dx;
+  }
+
+ private:
+  // d x_rows [R, H] from d y_rows; the expert weights' gradients accumulate.
+  Tensor experts_backward(const Context& ctx, const Tensor& dy_rows, const Stream& stream) {
+    const Device dev = options.device;
+    const DType dt = options.dtype;
+    Tensor dh = Tensor::empty(ctx.h.shape(), dt, dev, stream);
+    ops::grouped_gemm_backward_input(dy_rows, down_proj.value, ctx.offsets, dh, /*accumulate=*/false, stream);
+    ops::grouped_gemm_backward_weight(dy_rows, ctx.h, ctx.offsets, down_proj.ensure_grad(stream), stream);
+    Tensor dgate = Tensor::empty(ctx.gate.shape(), dt, dev, stream);
+    ops::swiglu_backward(ctx.gate, ctx.up, dh, dgate, dh, stream);  // dup overwrites dh (in place)
+    Tensor dx_rows = Tensor::empty(ctx.x_rows.shape(), dt, dev, stream);
+    ops::grouped_gemm_backward_input(dgate, gate_proj.value, ctx.offsets, dx_rows, /*accumulate=*/false, stream);
+    ops::grouped_gemm_backward_input(dh, up_proj.value, ctx.offsets, dx_rows, /*accumulate=*/true, stream);
+    ops::grouped_gemm_backward_weight(dgate, ctx.x_rows, ctx.offsets, gate_proj.ensure_grad(stream), stream);
+    ops::grouped_gemm_backward_weight(dh, ctx.x_rows, ctx.offsets, up_proj.ensure_grad(stream), stream);
+    return dx_rows;
+  }
+
+  parallel::ExpertParallel<>* ep_ = nullptr;
+};
+
+}  // namespace slime::nn
