@@ -178,7 +178,7 @@ TEST_CASE("Qwen3-30B-A3B config.json", "[io][config]") {
   CHECK(c.rope_theta == 1e6);
   CHECK(c.is_moe());
   for (int layer = 0; layer < c.num_hidden_layers; ++layer) CHECK(c.is_moe_layer(layer));
-  CHECK(c.extra["output_router_logits"] == false);
+  CHECK_FALSE(c.output_router_logits);  // a Qwen3Config field now, no longer in extra
 }
 
 TEST_CASE("both spellings of renamed fields", "[io][config]") {

@@ -1,10 +1,12 @@
 // Helpers of the nn tests: host copies as double, relative errors, random
-// tensors, finite differences on f32 CPU tensors, and the Qwen3 golden
-// fixture (tools/make_qwen3_golden.py) compared against a loaded model.
+// tensors, finite differences on f32 CPU tensors, and the Qwen3 / Qwen3-MoE
+// golden fixtures (tools/make_qwen3_golden.py, tools/make_qwen3_moe_golden.py)
+// compared against a loaded model.
 #pragma once
 
 #include <catch2/catch_test_macros.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -107,16 +109,20 @@ inline std::vector<int64_t> sample_indices(int64_t n, int64_t count, uint64_t se
   return out;
 }
 
-// ---- the golden fixture ---------------------------------------------------
+// ---- the golden fixtures ---------------------------------------------------
 
-inline std::filesystem::path golden_dir() { return std::filesystem::path(SLIME_NN_TEST_DATA) / "qwen3_tiny"; }
+// tests/nn/data/<name>: qwen3_tiny (tools/make_qwen3_golden.py, dense) or
+// qwen3_moe_tiny (tools/make_qwen3_moe_golden.py).
+inline std::filesystem::path golden_dir(const std::string& name = "qwen3_tiny") {
+  return std::filesystem::path(SLIME_NN_TEST_DATA) / name;
+}
 
 struct Golden {
   std::vector<std::vector<int32_t>> sequences;
   std::vector<int64_t> targets;
   io::SafetensorsFile file;
 
-  Golden() : file(golden_dir() / "golden.safetensors") {
+  explicit Golden(const std::filesystem::path& dir = golden_dir()) : file(dir / "golden.safetensors") {
     const auto tokens = file.read("tokens", DType::i64).to_vector<int64_t>();
     const auto cu = file.read("cu_seqlens", DType::i32).to_vector<int32_t>();
     for (std::size_t b = 0; b + 1 < cu.size(); ++b)
@@ -126,19 +132,42 @@ struct Golden {
   Tensor read(const std::string& name) const { return file.read(name, DType::f32); }
 };
 
-// Largest measured relative errors of one run against the golden fixture.
+// Largest measured relative errors of one run against a golden fixture.
 struct GoldenErrors {
   double logits = 0, logprobs = 0, entropy = 0, loss = 0, grad_max = 0;
+  double router_logits = 0, aux_loss = 0;  // MoE fixtures only (largest over sparse layers)
   std::string worst_grad;
 };
 
-// Loads the HF directory on `device` in `dtype`, runs the golden batch and
-// returns the errors (each ‖a − b‖/‖b‖ per tensor; grad_max the largest over
-// parameters). Every golden parameter gradient must have a model parameter
-// and vice versa.
-inline GoldenErrors run_golden(Device device, DType dtype) {
-  const Golden g;
-  nn::Qwen3Model model = nn::load_hf(golden_dir(), device, dtype);
+// The golden gradient of a model parameter: "grad.<name>", or for a stacked
+// expert parameter the per-expert "grad.<expert_name(i)>" concatenated in
+// stack order.
+inline std::vector<double> golden_grad(const Golden& g, const nn::Parameter& p) {
+  if (!p.is_expert_stack()) {
+    REQUIRE(g.file.contains("grad." + p.name));
+    return to_double(g.read("grad." + p.name));
+  }
+  std::vector<double> out;
+  for (int64_t i = 0; i < p.value.size(0); ++i) {
+    INFO("expert tensor " << p.expert_name(i));
+    REQUIRE(g.file.contains("grad." + p.expert_name(i)));
+    const auto v = to_double(g.read("grad." + p.expert_name(i)));
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+// Loads the HF directory `dir` on `device` in `dtype`, runs the golden batch
+// and returns the errors (each ‖a − b‖/‖b‖ per tensor; a stacked expert
+// parameter counts as one tensor; grad_max the largest over parameters).
+// Every golden parameter gradient must have a model parameter and vice
+// versa. MoE fixtures also compare each sparse layer's router logits and the
+// aux loss; their "loss" includes router_aux_loss_coef * aux_loss (the
+// fixture's config sets output_router_logits, which loss_and_backward
+// follows).
+inline GoldenErrors run_golden(Device device, DType dtype, const std::filesystem::path& dir = golden_dir()) {
+  const Golden g(dir);
+  nn::Qwen3Model model = nn::load_hf(dir, device, dtype);
   const nn::PackedBatch batch = nn::make_packed_batch(g.sequences, device);
   const Tensor targets = Tensor::from_vector(g.targets, {int64_t(g.targets.size())}, device);
   GoldenErrors e;
@@ -149,6 +178,22 @@ inline GoldenErrors run_golden(Device device, DType dtype) {
   const ops::TokenLogprobs lp = model.token_logprobs(hidden, targets);
   e.logprobs = rel_error(lp.logprobs, g.read("logprobs"));
   e.entropy = rel_error(lp.entropy, g.read("entropy"));
+  const std::vector<int> sparse = model.sparse_layers();
+  const std::vector<Tensor> router = model.router_logits(ctx);
+  REQUIRE(router.size() == sparse.size());
+  int golden_routers = 0;
+  for (const auto& name : g.file.names()) golden_routers += name.starts_with("router_logits.") ? 1 : 0;
+  REQUIRE(golden_routers == int(sparse.size()));
+  for (std::size_t l = 0; l < sparse.size(); ++l) {
+    const std::string name = "router_logits." + std::to_string(sparse[l]);
+    INFO(name);
+    REQUIRE(g.file.contains(name));
+    e.router_logits = std::max(e.router_logits, rel_error(router[l], g.read(name)));
+  }
+  if (model.config().is_moe()) {
+    const double want_aux = to_double(g.read("aux_loss"))[0];
+    e.aux_loss = std::abs(model.aux_loss_and_grad(ctx).value - want_aux) / std::abs(want_aux);
+  }
 
   nn::zero_grad(model);
   const nn::LossResult loss = model.loss_and_backward(batch, targets);
@@ -157,11 +202,10 @@ inline GoldenErrors run_golden(Device device, DType dtype) {
 
   int params = 0;
   model.for_each_parameter([&](nn::Parameter& p) {
-    ++params;
+    params += p.is_expert_stack() ? int(p.value.size(0)) : 1;
     INFO("parameter " << p.name);
-    REQUIRE(g.file.contains("grad." + p.name));
     REQUIRE(p.grad.defined());
-    const double err = rel_error(p.grad, g.read("grad." + p.name));
+    const double err = rel_error(to_double(p.grad), golden_grad(g, p));
     if (err >= e.grad_max) {
       e.grad_max = err;
       e.worst_grad = p.name;
@@ -170,9 +214,11 @@ inline GoldenErrors run_golden(Device device, DType dtype) {
   int golden_grads = 0;
   for (const auto& name : g.file.names()) golden_grads += name.starts_with("grad.") ? 1 : 0;
   REQUIRE(params == golden_grads);
-  std::printf("golden %s %s: logits %.3g, logprobs %.3g, entropy %.3g, loss %.3g, grads max %.3g (%s)\n",
-              device.str().c_str(), std::string(dtype_name(dtype)).c_str(), e.logits, e.logprobs, e.entropy, e.loss,
-              e.grad_max, e.worst_grad.c_str());
+  std::printf(
+      "golden %s %s %s: logits %.3g, logprobs %.3g, entropy %.3g, loss %.3g, router logits %.3g, aux %.3g, "
+      "grads max %.3g (%s)\n",
+      dir.filename().string().c_str(), device.str().c_str(), std::string(dtype_name(dtype)).c_str(), e.logits,
+      e.logprobs, e.entropy, e.loss, e.router_logits, e.aux_loss, e.grad_max, e.worst_grad.c_str());
   return e;
 }
 

@@ -25,8 +25,14 @@
 //     decoder_sparse_step      1                         1
 //     mlp_only_layers          []                        []
 //     router_aux_loss_coef     0.001                     0.001
+//     output_router_logits     false                     false
 //   (Qwen3Config's head_dim default is 128, not hidden/heads; Qwen3MoeConfig
 //   has no head_dim field and its attention falls back to hidden/heads.)
+//   The MoE fields are read only for qwen3_moe; a dense config with
+//   num_experts > 0 is an error. output_router_logits decides, as in
+//   Qwen3MoeForCausalLM, whether the training loss includes
+//   router_aux_loss_coef times the load-balancing loss (Qwen3Model::
+//   loss_and_backward follows it).
 // - Spellings in the wild: num_experts / num_local_experts, top-level
 //   rope_theta / rope_parameters.rope_theta (transformers 5), torch_dtype /
 //   dtype. When both spellings are present they must agree.
@@ -85,6 +91,9 @@ struct Qwen3Config {
   int decoder_sparse_step = 1;
   std::vector<int> mlp_only_layers;  // layers with a dense MLP instead of experts
   double router_aux_loss_coef = 0.001;
+  // HF: return the router logits and add router_aux_loss_coef * aux loss to
+  // the loss (Qwen3MoeForCausalLM.forward).
+  bool output_router_logits = false;
 
   // config.json keys this struct does not interpret, written back by to_json.
   nlohmann::json extra = nlohmann::json::object();
@@ -94,15 +103,25 @@ struct Qwen3Config {
 
   bool is_moe() const { return num_experts > 0; }
 
-  // Qwen3-MoE's rule (Qwen3MoeDecoderLayer): experts unless the layer is in
-  // mlp_only_layers, and only every decoder_sparse_step-th layer.
-  bool is_moe_layer(int layer) const {
+  // Qwen3-MoE's rule (Qwen3MoeDecoderLayer): layer i holds experts iff
+  // i is not in mlp_only_layers, num_experts > 0 and (i + 1) %
+  // decoder_sparse_step == 0; other layers hold the dense MLP
+  // (intermediate_size).
+  bool is_sparse_layer(int layer) const {
     SLIME_CHECK(layer >= 0 && layer < num_hidden_layers, where(), ": layer ", layer, " out of range [0, ",
                 num_hidden_layers, ")");
     if (num_experts <= 0) return false;
     SLIME_CHECK(decoder_sparse_step > 0, where(), ": decoder_sparse_step = ", decoder_sparse_step, " must be positive");
     if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) return false;
     return (layer + 1) % decoder_sparse_step == 0;
+  }
+  bool is_moe_layer(int layer) const { return is_sparse_layer(layer); }  // the same rule, older name
+
+  // Number of layers with experts.
+  int num_sparse_layers() const {
+    int n = 0;
+    for (int i = 0; i < num_hidden_layers; ++i) n += is_sparse_layer(i) ? 1 : 0;
+    return n;
   }
 
   // Throws slime::Error naming the field, its value and the source.
@@ -262,6 +281,7 @@ struct Qwen3Config {
       c.norm_topk_prob = r.bool_or("norm_topk_prob", false);
       c.decoder_sparse_step = r.int32_or("decoder_sparse_step", 1);
       c.router_aux_loss_coef = r.number_or("router_aux_loss_coef", 0.001);
+      c.output_router_logits = r.bool_or("output_router_logits", false);
       if (r.present("mlp_only_layers")) {
         const nlohmann::json& l = *r.find("mlp_only_layers");
         if (!l.is_array()) c.fail("mlp_only_layers is not an array: ", l.dump());
@@ -335,6 +355,7 @@ struct Qwen3Config {
       j["decoder_sparse_step"] = decoder_sparse_step;
       j["mlp_only_layers"] = mlp_only_layers;
       j["router_aux_loss_coef"] = router_aux_loss_coef;
+      j["output_router_logits"] = output_router_logits;
     }
     return j;
   }

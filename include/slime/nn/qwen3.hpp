@@ -1,7 +1,9 @@
 // slime/nn/qwen3.hpp: Qwen3Model, the Qwen3 dense decoder (HF
-// Qwen3ForCausalLM): embedding, decoder layers, final RMSNorm and the LM head
-// (tied to the embedding when config.tie_word_embeddings), over packed
-// sequences, with explicit forward and backward.
+// Qwen3ForCausalLM) and Qwen3-MoE (HF Qwen3MoeForCausalLM): embedding,
+// decoder layers (dense MLP, or router + experts in the layers
+// Qwen3Config::is_sparse_layer picks), final RMSNorm and the LM head (tied to
+// the embedding when config.tie_word_embeddings), over packed sequences, with
+// explicit forward and backward.
 //
 // A step: forward(batch, ctx) -> final-normed hidden [T, D]; then either
 // logits(hidden) (f32 [T, V], small models and tests only) or
@@ -9,12 +11,25 @@
 // materialising the logits); token_logprobs_backward turns gradients of the
 // log-probabilities (and entropies) into d_hidden, accumulating the lm_head
 // gradient; backward(ctx, d_hidden) accumulates every other gradient.
-// loss_and_backward does all of it for L = -sum_t logprob_t / normalizer.
+// loss_and_backward does all of it for L = -sum_t logprob_t / normalizer
+// (+ router_aux_loss_coef * aux loss for MoE, see below).
+//
+// MoE load-balancing loss (HF load_balancing_loss_func): after forward,
+// aux_loss_and_grad(ctx, scale) evaluates the auxiliary loss once over the
+// router outputs of all sparse layers concatenated ([L·T, E]) and returns
+// the gradients of scale · aux w.r.t. each sparse layer's router logits;
+// pass them to backward(ctx, d_hidden, stream, aux), which feeds each to its
+// block (SparseMoeBlock::backward's aux_dlogits). HF adds
+// router_aux_loss_coef · aux to the loss only when output_router_logits is
+// true; loss_and_backward mirrors that by default (with_aux_loss unset
+// follows config.output_router_logits). The aux loss of a micro-batch covers
+// that micro-batch's tokens (HF: one forward call's batch).
 //
 // Dtypes: f32 weights and activations (the CPU reference) or bf16 (the GPU
 // model; CUDA attention is bf16 only, head_dim 64 or 128); gradients fp32.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -25,18 +40,31 @@
 #include "slime/nn/decoder_layer.hpp"
 #include "slime/nn/embedding.hpp"
 #include "slime/nn/module.hpp"
+#include "slime/nn/moe.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/rms_norm.hpp"
 #include "slime/ops/linear.hpp"
+#include "slime/ops/router.hpp"
 #include "slime/ops/token_logprobs.hpp"
+#include "slime/parallel/expert_parallel.hpp"
 
 namespace slime::nn {
 
 // What loss_and_backward returns: the loss and the per-token values.
 struct LossResult {
-  double loss = 0;  // -sum_t logprobs[t] / normalizer
-  Tensor logprobs;  // f32 [T]
-  Tensor entropy;   // f32 [T]
+  double loss = 0;      // -sum_t logprobs[t] / normalizer (+ router_aux_loss_coef * aux_loss when included)
+  Tensor logprobs;      // f32 [T]
+  Tensor entropy;       // f32 [T]
+  double aux_loss = 0;  // the load-balancing loss, unscaled; 0 when not included (dense models)
+};
+
+// The MoE load-balancing loss of one forward and its gradient.
+struct AuxLoss {
+  double value = 0;  // aux loss over all sparse layers' router outputs, unscaled (HF's aux_loss)
+  double scale = 0;  // the factor its gradients carry (router_aux_loss_coef by default)
+  // Per decoder layer: f32 [T, num_experts] = scale · ∂aux/∂router_logits for
+  // sparse layers, undefined for dense ones. Empty when nothing was computed.
+  std::vector<Tensor> dlogits;
 };
 
 class Qwen3Model {
@@ -51,13 +79,13 @@ class Qwen3Model {
   Qwen3Model() = default;
 
   // Parameters allocated on opt.device in opt.dtype, uninitialised (use
-  // init_random or load_hf). Throws for an invalid or MoE config.
-  Qwen3Model(const Qwen3Config& config, ModuleOptions opt) : config_(config), options_(opt) {
+  // init_random or load_hf). Throws for an invalid config. `ep` (optional,
+  // MoE only) is handed to every sparse block: it decides which experts this
+  // rank holds (Parameter::first_expert and the stacks' dim 0).
+  Qwen3Model(const Qwen3Config& config, ModuleOptions opt, parallel::ExpertParallel<>* ep = nullptr)
+      : config_(config), options_(opt) {
     config_.validate();
     const std::string where = config.source.empty() ? std::string("Qwen3Model") : "Qwen3Model('" + config.source + "')";
-    SLIME_CHECK(!config_.is_moe(), where, ": the config is a Qwen3-MoE model (model_type '", config_.model_type,
-                "', num_experts = ", config_.num_experts,
-                "); MoE layers come with the MoE issue: only dense Qwen3 is implemented");
     detail::check_module_options(opt, where);
     if (opt.device.is_cuda()) {
       // ops/attention.hpp: the CUDA kernels are bf16 with head_dim 64 or 128.
@@ -75,8 +103,20 @@ class Qwen3Model {
     attn.rms_norm_eps = config_.rms_norm_eps;
     embed_tokens_ = Embedding("model.embed_tokens", config_.vocab_size, config_.hidden_size, opt);
     layers_.reserve(std::size_t(config_.num_hidden_layers));
-    for (int i = 0; i < config_.num_hidden_layers; ++i)
-      layers_.emplace_back("model.layers." + std::to_string(i), attn, config_.intermediate_size, opt);
+    MoeBlockConfig moe;
+    moe.hidden_size = config_.hidden_size;
+    moe.moe_intermediate_size = config_.moe_intermediate_size;
+    moe.num_experts = config_.num_experts;
+    moe.num_experts_per_tok = config_.num_experts_per_tok;
+    moe.norm_topk_prob = config_.norm_topk_prob;
+    for (int i = 0; i < config_.num_hidden_layers; ++i) {
+      const std::string prefix = "model.layers." + std::to_string(i);
+      if (config_.is_sparse_layer(i)) {
+        layers_.emplace_back(prefix, attn, moe, opt, ep);
+      } else {
+        layers_.emplace_back(prefix, attn, config_.intermediate_size, opt);
+      }
+    }
     norm_ = RMSNorm("model.norm", config_.hidden_size, config_.rms_norm_eps, opt);
     if (!config_.tie_word_embeddings) {
       lm_head_.name = "lm_head.weight";
@@ -124,13 +164,76 @@ class Qwen3Model {
   }
 
   // Accumulates the gradients of every parameter but the LM head from
-  // d_hidden [T, D] (the gradient of forward's output).
-  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream = {}) {
-    SLIME_CHECK(ctx.layers.size() == layers_.size(), "Qwen3Model::backward: the context holds ", ctx.layers.size(),
-                " layers, the model ", layers_.size(), " (was forward called with it?)");
+  // d_hidden [T, D] (the gradient of forward's output) and, when `aux` holds
+  // gradients (aux_loss_and_grad of the same ctx), of the load-balancing loss.
+  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream = {}, const AuxLoss& aux = {}) {
+    check_context(ctx, "backward");
+    SLIME_CHECK(aux.dlogits.empty() || aux.dlogits.size() == layers_.size(), "Qwen3Model::backward: aux.dlogits holds ",
+                aux.dlogits.size(), " tensors, expected none or one per layer (", layers_.size(),
+                "; from aux_loss_and_grad)");
     Tensor d = norm_.backward(ctx.norm, d_hidden, stream);
-    for (std::size_t i = layers_.size(); i-- > 0;) d = layers_[i].backward(ctx.layers[i], d, stream);
+    for (std::size_t i = layers_.size(); i-- > 0;)
+      d = layers_[i].backward(ctx.layers[i], d, stream, aux.dlogits.empty() ? Tensor{} : aux.dlogits[i]);
     embed_tokens_.backward(ctx.embed_tokens, d, stream);
+  }
+
+  // Indices of the decoder layers with experts (empty for dense models).
+  std::vector<int> sparse_layers() const {
+    std::vector<int> out;
+    for (int i = 0; i < int(layers_.size()); ++i)
+      if (layers_[std::size_t(i)].is_sparse()) out.push_back(i);
+    return out;
+  }
+
+  // The router logits [T, num_experts] (the model's dtype) of each sparse
+  // layer, in layer order (sparse_layers()), from the forward that filled ctx
+  // (HF: outputs.router_logits).
+  std::vector<Tensor> router_logits(const Context& ctx) const {
+    check_context(ctx, "router_logits");
+    std::vector<Tensor> out;
+    for (int i : sparse_layers()) out.push_back(ctx.layers[std::size_t(i)].moe.router_logits);
+    return out;
+  }
+
+  // The load-balancing loss of the forward that filled ctx (HF
+  // load_balancing_loss_func over all sparse layers' router outputs
+  // concatenated, no padding mask: every packed token counts), unscaled, and
+  // the gradients of scale · aux w.r.t. each sparse layer's router logits, for
+  // backward. scale defaults to config.router_aux_loss_coef (times 1 / the
+  // number of micro-batches, say, when the trainer averages). A dense model
+  // gives value 0 and no gradients. Runs on the model's device (the layers'
+  // probs and indices copied into one [L·T, E] / [L·T, k] buffer; the
+  // gradients are row views of one [L·T, E] f32 tensor) and reads the loss
+  // back (a host synchronisation).
+  AuxLoss aux_loss_and_grad(const Context& ctx, std::optional<double> scale = std::nullopt,
+                            const Stream& stream = {}) const {
+    check_context(ctx, "aux_loss_and_grad");
+    AuxLoss aux;
+    aux.scale = scale.value_or(config_.router_aux_loss_coef);
+    SLIME_CHECK(std::isfinite(aux.scale), "Qwen3Model::aux_loss_and_grad: scale = ", aux.scale, " is not finite");
+    const std::vector<int> sparse = sparse_layers();
+    if (sparse.empty()) return aux;
+    const int64_t T = ctx.batch.num_tokens(), E = config_.num_experts, k = config_.num_experts_per_tok;
+    const int64_t rows = T * int64_t(sparse.size());
+    const Device dev = options_.device;
+    Tensor probs = Tensor::empty({rows, E}, DType::f32, dev, stream);
+    Tensor indices = Tensor::empty({rows, k}, DType::i32, dev, stream);
+    for (std::size_t l = 0; l < sparse.size(); ++l) {
+      const SparseMoeBlock::Context& m = ctx.layers[std::size_t(sparse[l])].moe;
+      check_shape(m.probs, Shape{T, E}, "Qwen3Model::aux_loss_and_grad: router probs");
+      check_shape(m.indices, Shape{T, k}, "Qwen3Model::aux_loss_and_grad: router indices");
+      probs.slice_rows(int64_t(l) * T, T).copy_from(m.probs, stream);
+      indices.slice_rows(int64_t(l) * T, T).copy_from(m.indices, stream);
+    }
+    Tensor loss = Tensor::empty({1}, DType::f32, dev, stream);
+    ops::router_aux_loss_forward(probs, indices, loss, stream);
+    Tensor dlogits = Tensor::empty({rows, E}, DType::f32, dev, stream);
+    ops::router_aux_loss_backward(probs, indices, float(aux.scale), dlogits, /*accumulate=*/false, stream);
+    aux.dlogits.resize(layers_.size());
+    for (std::size_t l = 0; l < sparse.size(); ++l)
+      aux.dlogits[std::size_t(sparse[l])] = dlogits.slice_rows(int64_t(l) * T, T);
+    aux.value = double(loss.to_vector<float>(stream)[0]);
+    return aux;
   }
 
   // logits [T, V] f32 = hidden · lm_headᵀ. Materialises [T, V]: for small
@@ -165,11 +268,14 @@ class Qwen3Model {
   }
 
   // L = -sum_t log p(targets[t] | tokens[..t]) / normalizer (default: the
-  // batch's token count): forward, fused LM head, backward. Gradients of every
-  // parameter accumulate; returns L (a host synchronisation) and the
-  // per-token logprobs and entropies.
+  // batch's token count), plus router_aux_loss_coef · aux loss when
+  // with_aux_loss (default: config.output_router_logits, as HF; only MoE
+  // models have one): forward, fused LM head, backward. Gradients of every
+  // parameter accumulate; returns L (a host synchronisation), the per-token
+  // logprobs and entropies, and the unscaled aux loss.
   LossResult loss_and_backward(const PackedBatch& batch, const Tensor& targets, float temperature = 1.f,
-                               std::optional<double> normalizer = std::nullopt, const Stream& stream = {}) {
+                               std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
+                               std::optional<bool> with_aux_loss = std::nullopt) {
     const int64_t T = batch.num_tokens();
     const double n = normalizer.value_or(double(T));
     SLIME_CHECK(n > 0, "loss_and_backward: normalizer must be positive, got ", n);
@@ -179,10 +285,12 @@ class Qwen3Model {
     Tensor grad_lp =
         Tensor::from_vector(std::vector<float>(std::size_t(T), float(-1.0 / n)), {T}, options_.device, stream);
     Tensor d_hidden = token_logprobs_backward(hidden, targets, temperature, lp, grad_lp, Tensor{}, stream);
-    backward(ctx, d_hidden, stream);
+    AuxLoss aux;
+    if (with_aux_loss.value_or(config_.output_router_logits)) aux = aux_loss_and_grad(ctx, std::nullopt, stream);
+    backward(ctx, d_hidden, stream, aux);
     double sum = 0;
     for (float v : lp.logprobs.to_vector<float>(stream)) sum += double(v);
-    return {-sum / n, lp.logprobs, lp.entropy};
+    return {-sum / n + aux.scale * aux.value, lp.logprobs, lp.entropy, aux.value};
   }
 
  private:
@@ -199,6 +307,11 @@ class Qwen3Model {
                 b.tokens.str());
     check_shape(b.positions, b.tokens.shape(), "Qwen3Model::forward: batch.positions");
     check_shape(b.cu_seqlens, Shape{int64_t(b.cu_seqlens_host.size())}, "Qwen3Model::forward: batch.cu_seqlens");
+  }
+
+  void check_context(const Context& ctx, const char* op) const {
+    SLIME_CHECK(ctx.layers.size() == layers_.size(), "Qwen3Model::", op, ": the context holds ", ctx.layers.size(),
+                " layers, the model ", layers_.size(), " (was forward called with it?)");
   }
 
   void check_hidden(const Tensor& hidden, const char* op) const {
