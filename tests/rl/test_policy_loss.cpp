@@ -1,7 +1,8 @@
 // Policy losses and KL estimators: PPO-clip (asymmetric, dual clip), GSPO,
 // CISPO, aggregation modes and rejected tokens against hand-computed values;
 // finite-difference gradients in double; split invariance over 1, 2 and 5
-// micro-batches; the identical-policies invariant; bad inputs.
+// micro-batches and over 1, 2 and 4 ranks (LocalComm, global normaliser by one
+// all_reduce); the identical-policies invariant; bad inputs.
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_floating_point.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
@@ -11,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "slime/comm/local_comm.hpp"
 #include "slime/rl/importance_sampler.hpp"
 #include "slime/rl/kl.hpp"
 #include "slime/rl/policy_loss.hpp"
@@ -75,6 +77,23 @@ Batch random_batch(uint32_t seed, int num_seqs) {
     b.cu.push_back(int32_t(b.lp.size()));
   }
   return b;
+}
+
+// Sequences [s0, s1) of `all` as a batch of their own.
+Batch sequences(const Batch& all, int s0, int s1) {
+  Batch mb;
+  const int32_t b0 = all.cu[std::size_t(s0)], b1 = all.cu[std::size_t(s1)];
+  auto cut = [&](const auto& v) { return std::decay_t<decltype(v)>(v.begin() + b0, v.begin() + b1); };
+  mb.lp = cut(all.lp);
+  mb.old_lp = cut(all.old_lp);
+  mb.adv = cut(all.adv);
+  mb.ref = cut(all.ref);
+  mb.entropy = cut(all.entropy);
+  mb.w = cut(all.w);
+  mb.mask = cut(all.mask);
+  mb.keep = cut(all.keep);
+  for (int s = s0; s <= s1; ++s) mb.cu.push_back(all.cu[std::size_t(s)] - b0);
+  return mb;
 }
 
 double loss_of(const PolicyLossConfig& c, const LossNormalizer& n, const Batch& b) {
@@ -335,21 +354,7 @@ TEST_CASE("policy loss is invariant to the micro-batch split") {
         // The global normaliser is the sum of the micro-batches' counts.
         std::vector<Batch> mbs;
         const int per = 10 / parts;
-        for (int p = 0; p < parts; ++p) {
-          Batch mb;
-          const int32_t b0 = all.cu[std::size_t(p * per)], b1 = all.cu[std::size_t((p + 1) * per)];
-          auto cut = [&](const auto& v) { return std::decay_t<decltype(v)>(v.begin() + b0, v.begin() + b1); };
-          mb.lp = cut(all.lp);
-          mb.old_lp = cut(all.old_lp);
-          mb.adv = cut(all.adv);
-          mb.ref = cut(all.ref);
-          mb.entropy = cut(all.entropy);
-          mb.w = cut(all.w);
-          mb.mask = cut(all.mask);
-          mb.keep = cut(all.keep);
-          for (int s = p * per; s <= (p + 1) * per; ++s) mb.cu.push_back(all.cu[std::size_t(s)] - b0);
-          mbs.push_back(mb);
-        }
+        for (int p = 0; p < parts; ++p) mbs.push_back(sequences(all, p * per, (p + 1) * per));
         LossNormalizer total;
         for (const Batch& mb : mbs) {
           const LossNormalizer part = cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
@@ -382,6 +387,85 @@ TEST_CASE("policy loss is invariant to the micro-batch split") {
       }
     }
   }
+}
+
+TEST_CASE("policy loss is invariant to the rank and micro-batch split") {
+  // 40 sequences over 1, 2 or 4 ranks (LocalComm threads), each rank's share in
+  // 1, 2 or 5 micro-batches. Each rank counts its own tokens and sequences; one
+  // all_reduce makes the global normaliser. The loss and metrics summed over
+  // ranks and micro-batches, and the gradients, equal the single-batch ones.
+  const Batch all = random_batch(23, 40);
+  int compared = 0;
+  for (auto kind : {PolicyLossKind::ppo, PolicyLossKind::gspo, PolicyLossKind::cispo}) {
+    for (auto agg : {Aggregation::token_mean, Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum}) {
+      PolicyLossConfig c;
+      c.kind = kind;
+      c.aggregation = agg;
+      c.eps_clip_c = 3;
+      c.entropy_coef = 0.01;
+      c.kl_coef = 0.1;
+      c.unbiased_kl = kind == PolicyLossKind::ppo;
+      std::vector<double> ref_grad, ref_grad_entropy;
+      PolicyLossMetrics ref;
+      {
+        const LossNormalizer n = cpu::count_normalizer(all.mask.data(), all.cu.data(), all.seqs(), all.tokens());
+        ref_grad.resize(std::size_t(all.tokens()));
+        ref_grad_entropy.resize(ref_grad.size());
+        ref = cpu::policy_loss(c, n, all.args(true), ref_grad.data(), ref_grad_entropy.data());
+      }
+      for (int ranks : {1, 2, 4}) {
+        for (int parts : {1, 2, 5}) {
+          const int per_rank = 40 / ranks, per_mb = per_rank / parts;
+          std::vector<double> grad(ref_grad.size(), NAN), grad_entropy(ref_grad.size(), NAN);
+          std::vector<PolicyLossMetrics> rank_metrics(static_cast<std::size_t>(ranks));
+          std::vector<LossNormalizer> rank_norm(static_cast<std::size_t>(ranks));
+          comm::run_local_ranks(ranks, [&](comm::Comm& comm) {
+            const int r = comm.rank();
+            std::vector<Batch> mbs;
+            for (int p = 0; p < parts; ++p)
+              mbs.push_back(sequences(all, r * per_rank + p * per_mb, r * per_rank + (p + 1) * per_mb));
+            std::vector<int64_t> counts = {0, 0};
+            for (const Batch& mb : mbs) {
+              const LossNormalizer part = cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
+              counts[0] += part.tokens;
+              counts[1] += part.sequences;
+            }
+            Tensor global = Tensor::from_vector(counts, Shape{2});
+            comm.all_reduce(global);
+            const auto g = global.to_vector<int64_t>();
+            const LossNormalizer n{g[0], g[1]};
+            rank_norm[std::size_t(r)] = n;
+            std::size_t at = std::size_t(all.cu[std::size_t(r * per_rank)]);
+            for (const Batch& mb : mbs) {
+              rank_metrics[std::size_t(r)] +=
+                  cpu::policy_loss(c, n, mb.args(true), grad.data() + at, grad_entropy.data() + at);
+              at += std::size_t(mb.tokens());
+            }
+          });
+          INFO("kind " << int(kind) << " aggregation " << int(agg) << " ranks " << ranks << " micro-batches " << parts);
+          PolicyLossMetrics m;
+          for (int r = 0; r < ranks; ++r) {
+            REQUIRE(rank_norm[std::size_t(r)].tokens == rank_norm[0].tokens);
+            REQUIRE(rank_norm[std::size_t(r)].sequences == rank_norm[0].sequences);
+            m += rank_metrics[std::size_t(r)];
+          }
+          REQUIRE_THAT(m.loss, WithinAbs(ref.loss, 1e-12));
+          REQUIRE_THAT(m.pg_loss, WithinAbs(ref.pg_loss, 1e-12));
+          REQUIRE_THAT(m.kl, WithinAbs(ref.kl, 1e-12));
+          REQUIRE_THAT(m.ppo_kl, WithinAbs(ref.ppo_kl, 1e-12));
+          REQUIRE_THAT(m.clip_fraction, WithinAbs(ref.clip_fraction, 1e-12));
+          double worst = 0;
+          for (std::size_t t = 0; t < grad.size(); ++t) {
+            worst = std::max(worst, std::abs(grad[t] - ref_grad[t]));
+            worst = std::max(worst, std::abs(grad_entropy[t] - ref_grad_entropy[t]));
+          }
+          REQUIRE(worst <= 1e-12);  // NaN (a token no rank wrote) fails too
+          ++compared;
+        }
+      }
+    }
+  }
+  REQUIRE(compared == 81);
 }
 
 TEST_CASE("identical policy reference and rollout give zero kl and clipping and unit weights") {

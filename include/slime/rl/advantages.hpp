@@ -154,7 +154,7 @@ void reinforce_pp_baseline_advantages(const T* rewards, const int64_t* group_siz
 
 }  // namespace cpu
 
-// ---- Tensor API: f32 CPU tensors; CUDA tensors throw (not implemented yet).
+// ---- Tensor API: f32 CPU tensors (CUDA tensors throw: only policy_loss has a kernel).
 
 // rewards f32 [N] → advantages f32 [N].
 inline Tensor grpo_advantages(const Tensor& rewards, std::span<const int64_t> group_sizes, bool normalize_std) {

@@ -2,7 +2,8 @@
 // clip, GSPO, CISPO) plus entropy bonus and KL to a reference, aggregated
 // with global normalisers, with its gradient with respect to the policy's
 // log-probabilities (lp) and entropies. CPU reference on raw pointers (float
-// or double) and f32 CPU Tensors; the fused CUDA kernel comes later.
+// or double); the Tensor API dispatches f32 tensors to it or to the fused
+// CUDA kernel (src/rl/policy_loss.cu).
 //
 // Accumulation contract: grad_lp and grad_entropy are activation gradients,
 // written (=) for every token (0 outside the loss).
@@ -28,9 +29,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "slime/core/device.hpp"
+#include "slime/rl/cuda/policy_loss.hpp"
 #include "slime/rl/kl.hpp"
 #include "slime/rl/metrics.hpp"
 
@@ -243,7 +248,13 @@ PolicyLossMetrics policy_loss(const PolicyLossConfig& config, const LossNormaliz
 
 }  // namespace cpu
 
-// ---- Tensor API: f32 CPU tensors [tokens]; CUDA tensors throw (not implemented yet).
+// ---- Tensor API: f32 tensors [tokens] on the CPU (the reference above) or on
+// one CUDA device (the fused kernel of src/rl/policy_loss.cu: one pass over the
+// tokens, GSPO adds a segmented sweep per sequence; deterministic run to run).
+// On CUDA the host checks shapes, dtypes and devices; cu_seqlens' values are
+// checked on the device (a broken one traps), and the normaliser the
+// aggregation divides by must be > 0 (the host cannot see whether the
+// micro-batch has loss tokens without a synchronisation).
 
 struct PolicyLossTensors {
   Tensor lp, old_lp, advantages;       // f32 [T]
@@ -259,47 +270,192 @@ struct PolicyLossResult {
   Tensor grad_entropy;  // f32 [T], defined when entropy is given
 };
 
-inline LossNormalizer count_normalizer(const Tensor& loss_mask, const Tensor& cu_seqlens) {
+// Outputs of policy_loss_into, allocated by the caller (on lp's device) and
+// reused across calls: grad_lp f32 [T]; grad_entropy f32 [T] when entropy is
+// given (else undefined); workspace u8 of at least
+// policy_loss_workspace_bytes(num_seqs) bytes, whose first
+// kPolicyLossMetricBytes hold the metrics as 7 doubles (read_policy_loss_metrics).
+struct PolicyLossOutputs {
+  Tensor grad_lp;
+  Tensor grad_entropy;
+  Tensor workspace;
+};
+
+inline constexpr std::size_t kPolicyLossMetricCount = 7;
+inline constexpr std::size_t kPolicyLossMetricBytes = kPolicyLossMetricCount * sizeof(double);
+
+inline std::size_t policy_loss_workspace_bytes(int64_t num_seqs) {
+  // The metrics, then (CUDA) one row of partial sums per sequence, 256-byte aligned.
+  return 256 + ((std::size_t(num_seqs > 0 ? num_seqs : 0) * kPolicyLossMetricBytes + 255) / 256) * 256;
+}
+
+namespace detail {
+
+inline void metrics_to_array(const PolicyLossMetrics& m, void* out) {
+  const double v[kPolicyLossMetricCount] = {m.loss,   m.pg_loss,       m.entropy,           m.kl,
+                                            m.ppo_kl, m.clip_fraction, m.dual_clip_fraction};
+  std::memcpy(out, v, sizeof(v));
+}
+
+inline PolicyLossMetrics metrics_from_array(const double* v) {
+  PolicyLossMetrics m;
+  m.loss = v[0];
+  m.pg_loss = v[1];
+  m.entropy = v[2];
+  m.kl = v[3];
+  m.ppo_kl = v[4];
+  m.clip_fraction = v[5];
+  m.dual_clip_fraction = v[6];
+  return m;
+}
+
+// Validates `in` and returns (tokens, num_seqs).
+inline std::pair<int64_t, int64_t> check_policy_loss_tensors(std::string_view fn, const PolicyLossTensors& in) {
+  SLIME_CHECK(in.lp.defined(), fn, ": lp is undefined");
+  SLIME_CHECK(in.lp.dim() == 1, fn, ": lp must be 1-d [tokens], got ", in.lp.str());
+  const int64_t n = in.lp.size(0);
+  const Device dev = in.lp.device();
+  check_token_tensor_on(fn, in.lp, DType::f32, n, "lp", dev);
+  check_token_tensor_on(fn, in.old_lp, DType::f32, n, "old_lp", dev);
+  check_token_tensor_on(fn, in.advantages, DType::f32, n, "advantages", dev);
+  check_token_tensor_on(fn, in.loss_mask, DType::u8, n, "loss_mask", dev);
+  if (in.ref_lp.defined()) check_token_tensor_on(fn, in.ref_lp, DType::f32, n, "ref_lp", dev);
+  if (in.entropy.defined()) check_token_tensor_on(fn, in.entropy, DType::f32, n, "entropy", dev);
+  if (in.is_weights.defined()) check_token_tensor_on(fn, in.is_weights, DType::f32, n, "is_weights", dev);
+  if (in.keep_mask.defined()) check_token_tensor_on(fn, in.keep_mask, DType::u8, n, "keep_mask", dev);
+  return {n, check_cu_seqlens_tensor_on(fn, in.cu_seqlens, n, dev)};
+}
+
+}  // namespace detail
+
+// The global counts of one micro-batch (sum them over micro-batches and ranks,
+// e.g. by one all_reduce). A CUDA loss_mask / cu_seqlens is copied to the host
+// (a synchronisation: compute the normaliser once per step, before the
+// micro-batches).
+inline LossNormalizer count_normalizer(const Tensor& loss_mask, const Tensor& cu_seqlens, const Stream& stream = {}) {
   constexpr std::string_view fn = "rl::count_normalizer";
-  detail::require_cpu(fn, loss_mask);
+  SLIME_CHECK(loss_mask.defined(), fn, ": loss_mask is undefined");
   SLIME_CHECK(loss_mask.dim() == 1, fn, ": loss_mask must be 1-d, got ", loss_mask.str());
-  detail::check_token_tensor(fn, loss_mask, DType::u8, loss_mask.size(0), "loss_mask");
-  const int64_t s = detail::check_cu_seqlens_tensor(fn, cu_seqlens, loss_mask.size(0));
+  const Device dev = loss_mask.device();
+  detail::check_token_tensor_on(fn, loss_mask, DType::u8, loss_mask.size(0), "loss_mask", dev);
+  const int64_t s = detail::check_cu_seqlens_tensor_on(fn, cu_seqlens, loss_mask.size(0), dev);
+  if (dev.is_cuda()) {
+    const std::vector<uint8_t> mask = loss_mask.to_vector<uint8_t>(stream);
+    const std::vector<int32_t> cu = cu_seqlens.to_vector<int32_t>(stream);
+    return cpu::count_normalizer(mask.data(), cu.data(), s, loss_mask.size(0));
+  }
   return cpu::count_normalizer(loss_mask.data<uint8_t>(), cu_seqlens.data<int32_t>(), s, loss_mask.size(0));
 }
 
-inline PolicyLossResult policy_loss(const PolicyLossConfig& config, const LossNormalizer& norm,
-                                    const PolicyLossTensors& in) {
+// The metrics that policy_loss_into left at the start of `workspace` (waits
+// for the stream when the workspace is on a GPU).
+inline PolicyLossMetrics read_policy_loss_metrics(const Tensor& workspace, const Stream& stream = {}) {
+  SLIME_CHECK(workspace.defined() && workspace.dtype() == DType::u8 && workspace.nbytes() >= kPolicyLossMetricBytes,
+              "rl::read_policy_loss_metrics: workspace must be u8 of at least ", kPolicyLossMetricBytes, " bytes, got ",
+              workspace.str());
+  const Tensor head = workspace.flatten().view(0, Shape{int64_t(kPolicyLossMetricBytes)});
+  const std::vector<uint8_t> bytes = head.to_vector<uint8_t>(stream);
+  double v[kPolicyLossMetricCount];
+  std::memcpy(v, bytes.data(), sizeof(v));
+  return detail::metrics_from_array(v);
+}
+
+// The loss and its gradients into caller-owned outputs: allocates nothing and,
+// on CUDA, does not synchronise (the metrics stay in out.workspace; a trainer
+// reads them once per step). Ordered on `stream`.
+inline void policy_loss_into(const PolicyLossConfig& config, const LossNormalizer& norm, const PolicyLossTensors& in,
+                             PolicyLossOutputs& out, const Stream& stream = {}) {
   constexpr std::string_view fn = "rl::policy_loss";
-  detail::require_cpu(fn, in.lp);
-  SLIME_CHECK(in.lp.dim() == 1, fn, ": lp must be 1-d [tokens], got ", in.lp.str());
-  const int64_t n = in.lp.size(0);
-  detail::check_token_tensor(fn, in.lp, DType::f32, n, "lp");
-  detail::check_token_tensor(fn, in.old_lp, DType::f32, n, "old_lp");
-  detail::check_token_tensor(fn, in.advantages, DType::f32, n, "advantages");
-  detail::check_token_tensor(fn, in.loss_mask, DType::u8, n, "loss_mask");
-  if (in.ref_lp.defined()) detail::check_token_tensor(fn, in.ref_lp, DType::f32, n, "ref_lp");
-  if (in.entropy.defined()) detail::check_token_tensor(fn, in.entropy, DType::f32, n, "entropy");
-  if (in.is_weights.defined()) detail::check_token_tensor(fn, in.is_weights, DType::f32, n, "is_weights");
-  if (in.keep_mask.defined()) detail::check_token_tensor(fn, in.keep_mask, DType::u8, n, "keep_mask");
-  const int64_t s = detail::check_cu_seqlens_tensor(fn, in.cu_seqlens, n);
-  cpu::PolicyLossArgs<float> a;
-  a.lp = in.lp.data<float>();
-  a.old_lp = in.old_lp.data<float>();
-  a.advantages = in.advantages.data<float>();
-  a.loss_mask = in.loss_mask.data<uint8_t>();
-  a.cu_seqlens = in.cu_seqlens.data<int32_t>();
-  a.num_seqs = s;
-  a.tokens = n;
-  a.maybe_ref_lp = detail::maybe_data<float>(in.ref_lp);
-  a.maybe_entropy = detail::maybe_data<float>(in.entropy);
-  a.maybe_is_weights = detail::maybe_data<float>(in.is_weights);
-  a.maybe_keep = detail::maybe_data<uint8_t>(in.keep_mask);
+  detail::check_loss_config(fn, config);
+  const auto [n, s] = detail::check_policy_loss_tensors(fn, in);
+  const Device dev = in.lp.device();
+  SLIME_CHECK(config.kl_coef == 0 || in.ref_lp.defined(), fn, ": kl_coef = ", config.kl_coef, " needs ref_lp");
+  SLIME_CHECK(config.entropy_coef == 0 || in.entropy.defined(), fn, ": entropy_coef = ", config.entropy_coef,
+              " needs entropy");
+  detail::check_token_tensor_on(fn, out.grad_lp, DType::f32, n, "grad_lp", dev);
+  if (in.entropy.defined()) detail::check_token_tensor_on(fn, out.grad_entropy, DType::f32, n, "grad_entropy", dev);
+  SLIME_CHECK(out.workspace.defined() && out.workspace.device() == dev && out.workspace.dtype() == DType::u8 &&
+                  out.workspace.nbytes() >= policy_loss_workspace_bytes(s),
+              fn, ": workspace must be u8 on ", dev, " with at least ", policy_loss_workspace_bytes(s),
+              " bytes (policy_loss_workspace_bytes(", s, ")), got ", out.workspace.str());
+  float* grad_entropy = in.entropy.defined() ? out.grad_entropy.data<float>() : nullptr;
+  if (dev.is_cpu()) {
+    cpu::PolicyLossArgs<float> a;
+    a.lp = in.lp.data<float>();
+    a.old_lp = in.old_lp.data<float>();
+    a.advantages = in.advantages.data<float>();
+    a.loss_mask = in.loss_mask.data<uint8_t>();
+    a.cu_seqlens = in.cu_seqlens.data<int32_t>();
+    a.num_seqs = s;
+    a.tokens = n;
+    a.maybe_ref_lp = detail::maybe_data<float>(in.ref_lp);
+    a.maybe_entropy = detail::maybe_data<float>(in.entropy);
+    a.maybe_is_weights = detail::maybe_data<float>(in.is_weights);
+    a.maybe_keep = detail::maybe_data<uint8_t>(in.keep_mask);
+    const PolicyLossMetrics m = cpu::policy_loss<float>(config, norm, a, out.grad_lp.data<float>(), grad_entropy);
+    detail::metrics_to_array(m, out.workspace.data_ptr());
+    return;
+  }
+#if SLIME_HAS_CUDA
+  const bool by_tokens = config.aggregation == Aggregation::token_mean;
+  SLIME_CHECK(n == 0 || (by_tokens ? norm.tokens > 0 : norm.sequences > 0), fn, ": the global normaliser (",
+              by_tokens ? "tokens = " : "sequences = ", by_tokens ? norm.tokens : norm.sequences, ") must be > 0 on ",
+              dev, " (sum count_normalizer over the whole step batch)");
+  static_assert(kPolicyLossMetricCount == std::size_t(cuda::kPolicyLossMetrics));
+  const Stream st = stream.device() == dev ? stream : Stream::default_for(dev);
+  DeviceGuard guard(dev);
+  cuda::PolicyLossParams p{};
+  p.kind = config.kind;
+  p.aggregation = config.aggregation;
+  p.kl_estimator = config.kl_estimator;
+  p.unbiased_kl = config.unbiased_kl;
+  p.eps_clip = float(config.eps_clip);
+  p.eps_clip_high = float(config.eps_clip_high);
+  p.eps_clip_c = float(config.eps_clip_c);
+  p.entropy_coef = float(config.entropy_coef);
+  p.kl_coef = float(config.kl_coef);
+  p.norm_tokens = norm.tokens;
+  p.norm_sequences = norm.sequences;
+  p.lp = in.lp.data<float>();
+  p.old_lp = in.old_lp.data<float>();
+  p.advantages = in.advantages.data<float>();
+  p.loss_mask = in.loss_mask.data<uint8_t>();
+  p.cu_seqlens = in.cu_seqlens.data<int32_t>();
+  p.num_seqs = s;
+  p.tokens = n;
+  p.maybe_ref_lp = detail::maybe_data<float>(in.ref_lp);
+  p.maybe_entropy = detail::maybe_data<float>(in.entropy);
+  p.maybe_is_weights = detail::maybe_data<float>(in.is_weights);
+  p.maybe_keep = detail::maybe_data<uint8_t>(in.keep_mask);
+  p.grad_lp = out.grad_lp.data<float>();
+  p.maybe_grad_entropy = grad_entropy;
+  char* ws = static_cast<char*>(out.workspace.data_ptr());
+  p.metrics = reinterpret_cast<double*>(ws);
+  p.workspace = ws + 256;
+  p.workspace_bytes = out.workspace.nbytes() - 256;
+  SLIME_CHECK(reinterpret_cast<std::uintptr_t>(ws) % 16 == 0, fn, ": workspace must be 16-byte aligned");
+  cuda::policy_loss(p, st.handle());
+#else
+  (void)stream;
+  SLIME_FAIL(fn, ": ", dev, " needs the CUDA backend");
+#endif
+}
+
+// Allocates the outputs, runs policy_loss_into and reads the metrics back (on
+// CUDA: a synchronisation of `stream`).
+inline PolicyLossResult policy_loss(const PolicyLossConfig& config, const LossNormalizer& norm,
+                                    const PolicyLossTensors& in, const Stream& stream = {}) {
+  const auto [n, s] = detail::check_policy_loss_tensors("rl::policy_loss", in);
+  const Device dev = in.lp.device();
+  PolicyLossOutputs out;
+  out.grad_lp = Tensor::empty(Shape{n}, DType::f32, dev, stream);
+  if (in.entropy.defined()) out.grad_entropy = Tensor::empty(Shape{n}, DType::f32, dev, stream);
+  out.workspace = Tensor::empty(Shape{int64_t(policy_loss_workspace_bytes(s))}, DType::u8, dev, stream);
+  policy_loss_into(config, norm, in, out, stream);
   PolicyLossResult r;
-  r.grad_lp = Tensor::empty(Shape{n}, DType::f32);
-  if (in.entropy.defined()) r.grad_entropy = Tensor::empty(Shape{n}, DType::f32);
-  r.metrics = cpu::policy_loss<float>(config, norm, a, r.grad_lp.data<float>(),
-                                      in.entropy.defined() ? r.grad_entropy.data<float>() : nullptr);
+  r.metrics = read_policy_loss_metrics(out.workspace, stream);
+  r.grad_lp = out.grad_lp;
+  r.grad_entropy = out.grad_entropy;
   return r;
 }
 
