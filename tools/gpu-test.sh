@@ -7,7 +7,9 @@
 # Steps: configure build/gpu (Release, CUDA on, sm_90a), build with every core,
 # run all ctest tests (the CPU ones too), run the `gpu` and `multi_gpu` labels
 # again for their own summaries, and with 2 GPUs run the NCCL collective
-# benchmark, the PyTorch baseline and their comparison. A failed step is
+# benchmark, the PyTorch baseline and their comparison; then each op family's
+# benchmark beside its baseline (the FSDP one on 1 and 2 GPUs, torch under
+# torchrun: fsdp_baseline). A failed step is
 # recorded and the script goes on; it exits non-zero if any step failed. Every
 # step runs under a deadline so that the whole script ends within about
 # 8 minutes (SLIME_GPU_TEST_BUDGET_S, default 470 seconds, for all steps). The
@@ -157,6 +159,22 @@ else
     --torch "$OUT_DIR/torch_collectives.json"
 fi
 
+# ---- FSDP baseline: PyTorch FSDP2 on 1 GPU (a process group of one), then on 2
+# under torchrun (appending to the same JSON), then the table beside bench_fsdp.
+fsdp_baseline() {
+  local json="$OUT_DIR/torch_fsdp.json" runner=(torchrun)
+  command -v torchrun >/dev/null 2>&1 || runner=(python3 -m torch.distributed.run)
+  rm -f "$json"
+  step torch-fsdp2-gpus1 90 python3 bench/torch_fsdp2.py --out "$json"
+  if ((GPUS >= 2)); then
+    step torch-fsdp2-gpus2 90 "${runner[@]}" --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1 \
+      --master-port "$(free_port_pair)" bench/torch_fsdp2.py --append --out "$json"
+  else
+    skip_step torch-fsdp2-gpus2 "needs 2 GPUs, found $GPUS"
+  fi
+  step compare-fsdp 30 python3 bench/torch_fsdp2.py --table --slime "$OUT_DIR/bench_fsdp.json" --out "$json"
+}
+
 # ---- op benchmarks: bench_<family> (Google Benchmark) beside bench/torch_<family>.py
 for list in bench/*.cmake; do
   family=$(basename "$list" .cmake)
@@ -167,6 +185,10 @@ for list in bench/*.cmake; do
     continue
   fi
   step "bench-$family" 90 "$bin" --benchmark_out="$OUT_DIR/bench_$family.json" --benchmark_out_format=json
+  if [[ $family == fsdp ]]; then
+    fsdp_baseline  # its baseline needs 2 processes (torchrun), not one python3
+    continue
+  fi
   if [[ -f bench/torch_$family.py ]]; then
     step "torch-$family" 90 python3 "bench/torch_$family.py" --out "$OUT_DIR/torch_$family.json"
     step "compare-$family" 30 python3 bench/compare_ops.py --slime "$OUT_DIR/bench_$family.json" \

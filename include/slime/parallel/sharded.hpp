@@ -1,0 +1,689 @@
+// slime/parallel/sharded.hpp: Sharded<Module, Strategy>, fully sharded data
+// parallelism (FSDP2-style per-parameter dim-0 sharding) with mixed
+// precision, prefetched all-gathers, overlapped reduce-scatters, gradient
+// accumulation, AdamW on the fp32 master shards and access for checkpoints.
+//
+// What a rank holds (per unit: see sharding_units.hpp; layout: flat_shard.hpp):
+//   master shard   [shard_numel] fp32: what AdamW updates
+//   compute shard  [shard_numel] compute dtype (bf16 on GPUs): the all-gather
+//                  input, refreshed by AdamW's param_copies; the master itself
+//                  when the dtypes are equal
+//   grad shard     [shard_numel] fp32: reduced gradients, summed over
+//                  micro-batches until zero_grad
+//   AdamW states   2 x [shard_numel] fp32
+// and, only while a unit computes:
+//   gathered       [world * shard_numel] compute dtype: every Parameter::value
+//                  of the unit is a view into it, so the nn modules run as is
+//   full gradient  [world * shard_numel] fp32: every Parameter::grad a view
+// With a shard group of one rank (NoShard, or any strategy on one rank) the
+// gathered buffer IS the compute shard and the gradients accumulate straight
+// into the grad shard: the wrapper adds no copies, and the numbers are those
+// of the unwrapped module.
+//
+// A step, per micro-batch: forward (units in order: unit u + 1 is gathered on
+// the communication stream while u computes; FullShard releases u after its
+// forward, except the last unit), token_logprobs / token_logprobs_backward
+// (the LM head unit), backward (units in reverse: unit u - 1 is gathered while
+// u computes; after u's backward its gradients are packed, reduce-scattered
+// (and all-reduced over replicas) and added to the grad shard on the
+// communication stream while the backward goes on). Streams are ordered by
+// CUDA events: the step never waits on the host. On the CPU (LocalComm) the
+// same calls run in order. Then optimizer_step (AdamW on the master shards;
+// the optional global grad-norm clip is one all-reduce and one host read).
+//
+// Gradient accumulation: set_micro_batches(n) says the next n backward passes
+// form one step. GradientSync::at_end (default) accumulates full fp32
+// gradients locally and reduces once, in the n-th backward;
+// GradientSync::every_micro_batch reduces in every backward (less memory,
+// more communication).
+//
+// Composition with ExpertParallel (extension point): a module whose
+// ShardingUnits mark a unit ShardGroup::expert will have that unit sharded
+// over the data-parallel ranks inside its expert group (an expert shard Comm
+// given next to the dense one); the flat-shard machinery is unchanged. Until
+// the MoE model lands, such units are rejected with an error.
+//
+// CPU offload (ShardedOptions::cpu_offload): the master shards live in pinned
+// host memory and the AdamW moments in (pageable) host memory: they never
+// cross PCIe. optimizer_step copies the fp32 grad shards into pinned host
+// buffers on the compute stream, waits for them (one host synchronisation per
+// step), runs AdamW on the CPU (optim::cpu::adamw_update: the same roundings
+// as the CUDA kernel, so the update equals the device one bit for bit),
+// writing the new compute-dtype values into a pinned staging shard, and
+// queues their copy into the device compute shard. A rank's device then holds
+// only the compute shard (2 bytes per parameter / N in bf16) and the grad
+// shard (4 / N) instead of 18 / N; the host holds master (4 / N, pinned),
+// staging grad (4 / N, pinned) and compute (2 / N, pinned) shards and the
+// moments (8 / N). The compute shard is always a separate buffer (also when
+// the master and compute dtypes are equal). for_each_local_shard's masters
+// are then host tensors; gather_parameter returns a device tensor as before.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "slime/comm/comm.hpp"
+#include "slime/comm/mesh.hpp"
+#include "slime/core/stream.hpp"
+#include "slime/core/tensor.hpp"
+#include "slime/nn/module.hpp"
+#include "slime/ops/elementwise.hpp"
+#include "slime/optim/adamw.hpp"
+#include "slime/optim/grad_clip.hpp"
+#include "slime/parallel/flat_shard.hpp"
+#include "slime/parallel/sharding_strategy.hpp"
+#include "slime/parallel/sharding_units.hpp"
+
+namespace slime::parallel {
+
+// One parameter's piece on this rank, for checkpoints: `master` holds the
+// elements [begin, end) of the flattened, unpadded parameter of shape `shape`.
+struct LocalShard {
+  const std::string& name;
+  const Shape& shape;
+  int64_t begin = 0, end = 0;
+  Tensor master;  // [end - begin] view into the master shard (policy.master dtype)
+};
+
+template <class Module, ShardingStrategy Strategy = FullShard>
+class Sharded {
+ public:
+  using Units = ShardingUnits<Module>;
+  using Context = typename Units::Context;
+
+  // FullShard / ShardGradOp shard over `comm`; NoShard replicates over it.
+  // HybridShard needs the two groups of a Mesh (see below).
+  Sharded(Module module, comm::Comm& comm, ShardedOptions options = {},
+          optim::AdamWConfig adamw = {}) requires(!std::is_same_v<Strategy, HybridShard>)
+      : Sharded(std::move(module), Strategy::shards ? &comm : nullptr, Strategy::shards ? nullptr : &comm, options,
+                adamw) {}
+
+  // On a mesh: HybridShard shards over dp_shard and replicates over
+  // dp_replicate; FullShard / ShardGradOp shard over dp_shard (dp_replicate
+  // must be 1: use HybridShard); NoShard replicates over the one of the two
+  // axes that is not 1. cp and ep must be 1 (context parallelism and the
+  // expert groups are extension points, see the top of this file).
+  Sharded(Module module, const comm::Mesh& mesh, ShardedOptions options = {}, optim::AdamWConfig adamw = {})
+      : Sharded(std::move(module), mesh_shard_comm(mesh), mesh_replicate_comm(mesh), options, adamw) {}
+
+  Sharded(const Sharded&) = delete;
+  Sharded& operator=(const Sharded&) = delete;
+  Sharded(Sharded&&) = default;
+  Sharded& operator=(Sharded&&) = default;
+
+  ~Sharded() {
+    // Device buffers are freed in order on the communication stream: make it
+    // wait for the last compute use (a no-op on the CPU).
+    if (device_.is_cuda() && !units_.empty()) {
+      try {
+        grads_zeroed_.record(last_stream_);
+        grads_zeroed_.wait(comm_stream_);
+      } catch (...) {  // destructors do not throw; the memory is then freed unordered
+      }
+    }
+  }
+
+  Module& module() { return *module_; }
+  const ShardedOptions& options() const { return options_; }
+  Device device() const { return device_; }
+  DType compute_dtype() const { return compute_dtype_; }
+  // Ranks a parameter is split over, and ranks it is replicated over.
+  int shard_world() const { return shard_comm_ ? shard_comm_->size() : 1; }
+  int replicate_world() const { return replicate_comm_ ? replicate_comm_->size() : 1; }
+  int shard_rank() const { return shard_comm_ ? shard_comm_->rank() : 0; }
+  std::size_t num_units() const { return units_.size(); }
+  const std::string& unit_name(std::size_t u) const { return units_.at(u).name; }
+  const FlatShardLayout& unit_layout(std::size_t u) const { return units_.at(u).layout; }
+  // Whether unit u's parameters are gathered (their values are views).
+  bool is_gathered(std::size_t u) const { return units_.at(u).gathered.defined(); }
+  optim::AdamW& optimizer() { return adamw_; }
+  // Master shards and optimizer states on the host (ShardedOptions::cpu_offload).
+  bool cpu_offload() const { return offload_; }
+
+  // ---- the step (the calls of the wrapped model) --------------------------
+
+  Tensor forward(const nn::PackedBatch& batch, Context& ctx, const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    Hooks hooks{*this, s};
+    return Units::forward(*module_, batch, ctx, s, hooks);
+  }
+
+  // Accumulates the gradients of every parameter but the LM head; reduces
+  // them when this backward completes the step's micro-batches (or always,
+  // with GradientSync::every_micro_batch).
+  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    Hooks hooks{*this, s};
+    sync_now_ = options_.gradient_sync == GradientSync::every_micro_batch || micro_batch_ + 1 == micro_batches_;
+    Units::backward(*module_, ctx, d_hidden, s, hooks);
+    micro_batch_ = (micro_batch_ + 1) % micro_batches_;
+  }
+
+  Tensor logits(const Tensor& hidden, const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    gather_for_use(lm_head_unit_, s);
+    return module_->logits(hidden, s);
+  }
+
+  ops::TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& targets, float temperature = 1.f,
+                                    const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    gather_for_use(lm_head_unit_, s);
+    return module_->token_logprobs(hidden, targets, temperature, s);
+  }
+
+  Tensor token_logprobs_backward(const Tensor& hidden, const Tensor& targets, float temperature,
+                                 const ops::TokenLogprobs& fwd, const Tensor& grad_logprobs, const Tensor& grad_entropy,
+                                 const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    gather_for_use(lm_head_unit_, s);
+    ensure_full_grad(lm_head_unit_, s);
+    return module_->token_logprobs_backward(hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, s);
+  }
+
+  // As Qwen3Model::loss_and_backward: L = -sum_t logprob_t / normalizer
+  // (default: this batch's token count), one backward pass.
+  nn::LossResult loss_and_backward(const nn::PackedBatch& batch, const Tensor& targets, float temperature = 1.f,
+                                   std::optional<double> normalizer = std::nullopt, const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    const int64_t T = batch.num_tokens();
+    const double n = normalizer.value_or(double(T));
+    SLIME_CHECK(n > 0, "Sharded::loss_and_backward: normalizer must be positive, got ", n);
+    Context ctx;
+    Tensor hidden = forward(batch, ctx, s);
+    ops::TokenLogprobs lp = token_logprobs(hidden, targets, temperature, s);
+    Tensor grad_lp = Tensor::from_vector(std::vector<float>(std::size_t(T), float(-1.0 / n)), {T}, device_, s);
+    Tensor d_hidden = token_logprobs_backward(hidden, targets, temperature, lp, grad_lp, Tensor{}, s);
+    backward(ctx, d_hidden, s);
+    double sum = 0;
+    for (float v : lp.logprobs.to_vector<float>(s)) sum += double(v);
+    return {-sum / n, lp.logprobs, lp.entropy};
+  }
+
+  // The next n backward passes accumulate into one optimizer step (default 1).
+  void set_micro_batches(int n) {
+    SLIME_CHECK(n >= 1, "Sharded::set_micro_batches: n must be >= 1, got ", n);
+    SLIME_CHECK(micro_batch_ == 0, "Sharded::set_micro_batches: called after ", micro_batch_, " of ", micro_batches_,
+                " micro-batches of the current step");
+    micro_batches_ = n;
+  }
+  int micro_batches() const { return micro_batches_; }
+
+  // Zeroes the sharded gradients (and drops unreduced ones); call before the
+  // first micro-batch of a step, as with the unwrapped model.
+  void zero_grad(const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    wait_for_reductions(s);
+    for (Unit& u : units_) {
+      if (!direct_grads_ && u.full_grad.defined()) release_full_grad(u, s);
+      u.grad_shard.zero_(s);
+    }
+    grads_zeroed_.record(s);
+    grads_zeroed_.wait(comm_stream_);
+    micro_batch_ = 0;
+  }
+
+  // The 2-norm of the gradient over all shards (one all-reduce over the shard
+  // group; replicas hold equal gradients). A host synchronisation.
+  double grad_norm(const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    wait_for_reductions(s);
+    const std::vector<Tensor> grads = grad_shards();
+    return optim::global_grad_norm(grads, shard_comm_, s);
+  }
+
+  // AdamW on the master shards (refreshing the compute shards). With
+  // max_grad_norm > 0 the gradients are first scaled by
+  // clip_coefficient(global norm, max_grad_norm); returns that norm.
+  std::optional<double> optimizer_step(double lr, double max_grad_norm = 0, const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    SLIME_CHECK(micro_batch_ == 0, "Sharded::optimizer_step after ", micro_batch_, " of ", micro_batches_,
+                " micro-batches: the gradients are not reduced yet (set_micro_batches)");
+    wait_for_reductions(s);
+    // Gathered parameters go stale with the update.
+    for (std::size_t i = 0; i < units_.size(); ++i)
+      if (!aliased_params_) release_gathered(i, s);
+    std::vector<Tensor> params, grads = grad_shards(), copies;
+    for (Unit& u : units_) {
+      params.push_back(u.master);
+      if (separate_compute_) copies.push_back(u.compute);
+    }
+    std::optional<double> norm;
+    float scale = 1.f;
+    if (max_grad_norm > 0) {
+      norm = optim::global_grad_norm(grads, shard_comm_, s);
+      scale = optim::clip_coefficient(*norm, max_grad_norm);
+    }
+    if (offload_) {
+      // Gradients to the host, the update on the CPU, the new compute values
+      // back to the device. Before the CPU writes the staging shards, the
+      // previous step's uploads from them must be done (they may have been
+      // queued on another stream): wait for those and for the downloads.
+      for (Unit& u : units_) u.host_grad.copy_from(u.grad_shard, s);
+      params_uploaded_.synchronize();
+      s.synchronize();
+      std::vector<Tensor> host_grads, staging;
+      for (Unit& u : units_) {
+        host_grads.push_back(u.host_grad);
+        staging.push_back(u.host_compute);
+      }
+      adamw_.step(params, host_grads, lr, scale, staging, Stream{});
+      for (Unit& u : units_) u.compute.copy_from(u.host_compute, s);
+      params_uploaded_.record(s);
+    } else {
+      adamw_.step(params, grads, lr, scale, copies, s);
+    }
+    params_updated_.record(s);
+    return norm;
+  }
+
+  // ---- checkpoints ---------------------------------------------------------
+
+  // f(const LocalShard&) for every parameter, in the module's unit order.
+  template <class F>
+  void for_each_local_shard(F&& f) {
+    const int r = shard_rank();
+    for (Unit& u : units_)
+      for (const FlatShardEntry& e : u.layout.entries())
+        f(LocalShard{e.name, e.shape, e.begin(r), e.end(r),
+                     u.master.view(e.shard_offset, Shape{e.end(r) - e.begin(r)})});
+  }
+
+  // Names of the parameters, in unit order (the order of for_each_local_shard).
+  std::vector<std::string> parameter_names() const {
+    std::vector<std::string> names;
+    for (const Unit& u : units_)
+      for (const FlatShardEntry& e : u.layout.entries()) names.push_back(e.name);
+    return names;
+  }
+
+  // The full master-dtype value of one parameter on every rank of the shard
+  // group (one all-gather of that parameter only, so an export streams the
+  // model one tensor at a time). Collective over the shard group: every rank
+  // calls it with the same names in the same order.
+  Tensor gather_parameter(std::string_view name, const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    const auto [u, i] = find(name);
+    const FlatShardEntry& e = units_[u].layout.entries()[i];
+    Tensor piece = units_[u].master.view(e.shard_offset, Shape{e.piece});
+    if (piece.device() != device_) piece = piece.to(device_, s);  // offloaded master: via the device
+    Tensor all = Tensor::empty({e.piece * shard_world()}, master_dtype_, device_, s);
+    if (shard_comm_) {
+      shard_comm_->all_gather(piece, all, s);
+    } else {
+      all.copy_from(piece, s);
+    }
+    return all.view(0, e.shape);
+  }
+
+  // Sets one parameter from its full value (any dtype ops::cast takes, the
+  // parameter's shape, on this device): this rank keeps its rows. Local, no
+  // communication; call it on every rank (e.g. loading a checkpoint written
+  // with another number of ranks).
+  void load_parameter(std::string_view name, const Tensor& full, const Stream& stream = {}) {
+    const Stream s = compute_stream(stream);
+    const auto [u, i] = find(name);
+    const FlatShardEntry& e = units_[u].layout.entries()[i];
+    check_shape(full, e.shape, std::string("Sharded::load_parameter: '") + std::string(name) + "'");
+    SLIME_CHECK(full.device() == device_, "Sharded::load_parameter: '", name, "' must be on ", device_, ", got ",
+                full.str());
+    release_gathered(u, s);
+    copy_rows(units_[u], e, full, s);
+    params_updated_.record(s);
+  }
+
+ private:
+  struct Unit {
+    std::string name;
+    std::vector<nn::Parameter*> params;
+    FlatShardLayout layout;
+    Tensor master, compute, grad_shard;
+    Tensor host_grad, host_compute;  // cpu_offload only: pinned staging shards (f32, compute dtype)
+    Tensor gathered;                 // defined while gathered (views installed)
+    Tensor full_grad;                // defined while unreduced gradients accumulate (views installed)
+    Event gathered_ready, grad_ready, params_free;
+  };
+
+  // The callbacks ShardingUnits::forward / backward make around each unit.
+  struct Hooks {
+    Sharded& self;
+    const Stream& stream;
+
+    void forward_begin(std::size_t u) {
+      self.gather_for_use(u, stream);
+      if (self.options_.prefetch) {
+        const std::size_t next = u + 1 < self.units_.size() ? u + 1 : self.lm_head_unit_;
+        self.issue_gather(next);
+      }
+    }
+    void forward_end(std::size_t u) {
+      if (Strategy::reshard_after_forward && u + 1 != self.units_.size()) self.release_gathered(u, stream);
+    }
+    void backward_begin(std::size_t u) {
+      self.gather_for_use(u, stream);
+      if (self.options_.prefetch && u > 0) self.issue_gather(u - 1);
+      self.ensure_full_grad(u, stream);
+    }
+    void backward_end(std::size_t u) {
+      if (self.sync_now_) self.reduce(u, stream);
+      if (Strategy::reshard_after_backward) self.release_gathered(u, stream);
+    }
+  };
+
+  Sharded(Module module, comm::Comm* shard, comm::Comm* replicate, const ShardedOptions& options,
+          const optim::AdamWConfig& adamw)
+      : module_(std::make_unique<Module>(std::move(module))),
+        options_(options),
+        shard_comm_(shard && shard->size() > 1 ? shard : nullptr),
+        replicate_comm_(replicate && replicate->size() > 1 ? replicate : nullptr),
+        adamw_(adamw) {
+    std::vector<ShardingUnit> units = Units::units(*module_);
+    SLIME_CHECK(!units.empty(), "Sharded: the module has no sharding units");
+    lm_head_unit_ = Units::lm_head_unit(*module_);
+    SLIME_CHECK(lm_head_unit_ < units.size(), "Sharded: lm_head unit ", lm_head_unit_, " out of range");
+    // Device and dtype from the parameters; all must agree.
+    const nn::Parameter* first = nullptr;
+    std::unordered_map<const nn::Parameter*, std::string> seen;
+    for (const ShardingUnit& su : units) {
+      SLIME_CHECK(su.group == ShardGroup::dense, "Sharded: unit '", su.name,
+                  "' shards over an expert group, which needs ExpertParallel (not composed yet)");
+      for (const nn::Parameter* p : su.params) {
+        SLIME_CHECK(p != nullptr && p->value.defined(), "Sharded: unit '", su.name, "' has a parameter ",
+                    p ? "'" + p->name + "' " : std::string(), "without a value (was the module already sharded?)");
+        const auto [it, fresh] = seen.emplace(p, su.name);
+        SLIME_CHECK(fresh, "Sharded: parameter '", p->name, "' is in units '", it->second, "' and '", su.name,
+                    "'; a parameter belongs to exactly one unit");
+        if (!first) first = p;
+        SLIME_CHECK(p->value.device() == first->value.device() && p->value.dtype() == first->value.dtype(),
+                    "Sharded: parameters differ in device or dtype: '", first->name, "' is ", first->value.str(), ", '",
+                    p->name, "' is ", p->value.str());
+      }
+    }
+    SLIME_CHECK(first != nullptr, "Sharded: the module has no parameters");
+    device_ = first->value.device();
+    const DType module_dtype = first->value.dtype();
+    for (comm::Comm* c : {shard, replicate})
+      if (c)
+        SLIME_CHECK(c->device() == device_, "Sharded: the communicator works on ", c->device(),
+                    " but the module's parameters are on ", device_);
+    const MixedPrecisionPolicy& mp = options_.precision;
+    compute_dtype_ = mp.compute.value_or(module_dtype);
+    SLIME_CHECK(compute_dtype_ == module_dtype, "Sharded: compute dtype ", dtype_name(compute_dtype_),
+                " differs from the module's dtype ", dtype_name(module_dtype),
+                "; the modules run in their own dtype: build the model in the compute dtype");
+    master_dtype_ = mp.master;
+    SLIME_CHECK(master_dtype_ == DType::f32, "Sharded: master dtype ", dtype_name(master_dtype_),
+                " is not supported: optim::AdamW updates f32 master parameters");
+    SLIME_CHECK(mp.reduce == DType::f32 || mp.reduce == DType::bf16, "Sharded: reduce dtype must be f32 or bf16, got ",
+                dtype_name(mp.reduce));
+    offload_ = options_.cpu_offload;
+    separate_compute_ = master_dtype_ != compute_dtype_ || offload_;
+    aliased_params_ = shard_comm_ == nullptr;
+    direct_grads_ = shard_comm_ == nullptr && replicate_comm_ == nullptr;
+    comm_stream_ = device_.is_cuda() ? Stream::create(device_) : Stream{};
+    last_stream_ = Stream::default_for(device_);
+    grads_reduced_ = Event(device_, false);
+    params_updated_ = Event(device_, false);
+    grads_zeroed_ = Event(device_, false);
+    params_uploaded_ = Event(device_, false);
+
+    // The shards are built on the communication stream, after the work that
+    // wrote the module's values (the device's default stream).
+    const Stream init = Stream::default_for(device_);
+    grads_zeroed_.record(init);
+    grads_zeroed_.wait(comm_stream_);
+    units_.reserve(units.size());
+    for (ShardingUnit& su : units) {
+      Unit u;
+      u.name = su.name;
+      u.params = su.params;
+      std::vector<std::pair<std::string, Shape>> shapes;
+      for (const nn::Parameter* p : su.params) shapes.emplace_back(p->name, p->value.shape());
+      u.layout = FlatShardLayout(shapes, shard_world());
+      const int64_t n = u.layout.shard_numel();
+      if (offload_) {
+        u.master = Tensor::empty_pinned({n}, master_dtype_);
+        u.master.zero_();
+        u.host_grad = Tensor::empty_pinned({n}, DType::f32);
+        u.host_compute = Tensor::empty_pinned({n}, compute_dtype_);
+      } else {
+        u.master = Tensor::zeros({n}, master_dtype_, device_, comm_stream_);
+      }
+      u.compute = separate_compute_ ? Tensor::zeros({n}, compute_dtype_, device_, comm_stream_) : u.master;
+      u.grad_shard = Tensor::zeros({n}, DType::f32, device_, comm_stream_);
+      for (std::size_t i = 0; i < su.params.size(); ++i)
+        copy_rows(u, u.layout.entries()[i], su.params[i]->value, comm_stream_);
+      u.gathered_ready = Event(device_, false);
+      u.grad_ready = Event(device_, false);
+      u.params_free = Event(device_, false);
+      units_.push_back(std::move(u));
+    }
+    // The module's full tensors go (freed on their streams once the copies
+    // are done); from here on values and gradients are views.
+    params_updated_.record(comm_stream_);
+    params_updated_.wait(init);
+    for (Unit& u : units_)
+      for (nn::Parameter* p : u.params) {
+        p->value = Tensor{};
+        p->grad = Tensor{};
+      }
+    for (std::size_t i = 0; i < units_.size(); ++i) {
+      Unit& u = units_[i];
+      if (aliased_params_) {
+        u.gathered = u.compute;
+        install_values(u);
+      }
+      if (direct_grads_) {
+        u.full_grad = u.grad_shard;
+        install_grads(u);
+      }
+      u.gathered_ready.record(comm_stream_);
+    }
+    // The optimizer's moments now, so a rank's memory is known up front.
+    std::vector<Tensor> masters;
+    for (const Unit& u : units_) masters.push_back(u.master);
+    adamw_.init_state(masters, offload_ ? Stream{} : comm_stream_);
+    for (std::size_t i = 0; i < units_.size(); ++i)
+      for (std::size_t j = 0; j < units_[i].layout.entries().size(); ++j)
+        index_.emplace(units_[i].layout.entries()[j].name, std::pair{i, j});
+  }
+
+  static comm::Comm* mesh_shard_comm(const comm::Mesh& mesh) {
+    check_mesh(mesh);
+    if constexpr (std::is_same_v<Strategy, HybridShard>) {
+      return &mesh.comm(comm::Axis::dp_shard);
+    } else if constexpr (Strategy::shards) {
+      SLIME_CHECK(mesh.size(comm::Axis::dp_replicate) == 1,
+                  "Sharded: this strategy shards over dp_shard only, but the mesh has dp_replicate = ",
+                  mesh.size(comm::Axis::dp_replicate), "; use HybridShard to replicate across groups");
+      return &mesh.comm(comm::Axis::dp_shard);
+    } else {
+      return nullptr;
+    }
+  }
+  static comm::Comm* mesh_replicate_comm(const comm::Mesh& mesh) {
+    if constexpr (std::is_same_v<Strategy, HybridShard>) {
+      return &mesh.comm(comm::Axis::dp_replicate);
+    } else if constexpr (Strategy::shards) {
+      return nullptr;
+    } else {
+      const int r = mesh.size(comm::Axis::dp_replicate), s = mesh.size(comm::Axis::dp_shard);
+      SLIME_CHECK(r == 1 || s == 1, "Sharded<NoShard>: the mesh has dp_replicate = ", r, " and dp_shard = ", s,
+                  "; NoShard replicates over one axis (set the other to 1)");
+      return &mesh.comm(r > 1 ? comm::Axis::dp_replicate : comm::Axis::dp_shard);
+    }
+  }
+  static void check_mesh(const comm::Mesh& mesh) {
+    SLIME_CHECK(mesh.size(comm::Axis::cp) == 1 && mesh.size(comm::Axis::ep) == 1,
+                "Sharded: the mesh has cp = ", mesh.size(comm::Axis::cp), " and ep = ", mesh.size(comm::Axis::ep),
+                "; only dp_replicate and dp_shard are supported (context and expert parallelism compose later)");
+  }
+
+  Stream compute_stream(const Stream& stream) {
+    last_stream_ = stream.device() == device_ ? stream : Stream::default_for(device_);
+    return last_stream_;
+  }
+
+  std::pair<std::size_t, std::size_t> find(std::string_view name) const {
+    const auto it = index_.find(std::string(name));
+    SLIME_CHECK(it != index_.end(), "Sharded: no parameter named '", name, "'");
+    return it->second;
+  }
+
+  // This rank's rows of `full` into the master (and compute) shard.
+  void copy_rows(Unit& u, const FlatShardEntry& e, const Tensor& full, const Stream& s) {
+    const int r = shard_rank();
+    const int64_t b = e.begin(r), n = e.end(r) - b;
+    if (n == 0) return;
+    const Tensor src = full.reshape(Shape{e.numel}).view(b, Shape{n});
+    Tensor master = u.master.view(e.shard_offset, Shape{n});
+    if (master.device() == src.device()) {
+      ops::cast(src, master, s);
+    } else {  // an offloaded master: cast on the device, then download (and wait: not a hot path)
+      Tensor tmp = Tensor::empty({n}, master_dtype_, device_, s);
+      ops::cast(src, tmp, s);
+      master.copy_from(tmp, s);
+      s.synchronize();
+    }
+    if (separate_compute_) ops::cast(src, u.compute.view(e.shard_offset, Shape{n}), s);
+  }
+
+  void install_values(Unit& u) {
+    const auto& es = u.layout.entries();
+    for (std::size_t i = 0; i < es.size(); ++i)
+      u.params[i]->value = u.gathered.view(u.layout.gathered_offset(i), es[i].shape);
+  }
+  void install_grads(Unit& u) {
+    const auto& es = u.layout.entries();
+    for (std::size_t i = 0; i < es.size(); ++i)
+      u.params[i]->grad = u.full_grad.view(u.layout.gathered_offset(i), es[i].shape);
+  }
+
+  // Queues the all-gather of unit i on the communication stream (no-op when
+  // gathered or aliased).
+  void issue_gather(std::size_t i) {
+    Unit& u = units_[i];
+    if (u.gathered.defined()) return;
+    params_updated_.wait(comm_stream_);
+    const int64_t n = u.layout.gathered_numel();
+    Tensor rank_major = Tensor::empty({n}, compute_dtype_, device_, comm_stream_);
+    shard_comm_->all_gather(u.compute, rank_major, comm_stream_);
+    u.gathered = Tensor::empty({n}, compute_dtype_, device_, comm_stream_);
+    unpack_rank_major(rank_major, u.gathered, u.layout, comm_stream_);
+    u.gathered_ready.record(comm_stream_);
+    install_values(u);
+  }
+
+  // Unit i gathered, and `s` ordered after the gather.
+  void gather_for_use(std::size_t i, const Stream& s) {
+    issue_gather(i);
+    units_[i].gathered_ready.wait(s);
+  }
+
+  // Drops unit i's gathered buffer once the work queued on `s` is done.
+  void release_gathered(std::size_t i, const Stream& s) {
+    Unit& u = units_[i];
+    if (aliased_params_ || !u.gathered.defined()) return;
+    for (nn::Parameter* p : u.params) p->value = Tensor{};
+    u.params_free.record(s);
+    u.params_free.wait(comm_stream_);
+    u.gathered = Tensor{};
+  }
+
+  // Unit i's full fp32 gradient buffer exists (zero when new), `s` ordered
+  // after its zero-fill.
+  void ensure_full_grad(std::size_t i, const Stream& s) {
+    Unit& u = units_[i];
+    if (!u.full_grad.defined()) {
+      u.full_grad = Tensor::zeros({u.layout.gathered_numel()}, DType::f32, device_, comm_stream_);
+      u.grad_ready.record(comm_stream_);
+      install_grads(u);
+    }
+    u.grad_ready.wait(s);
+  }
+
+  void release_full_grad(Unit& u, const Stream& s) {
+    for (nn::Parameter* p : u.params) p->grad = Tensor{};
+    u.params_free.record(s);
+    u.params_free.wait(comm_stream_);
+    u.full_grad = Tensor{};
+  }
+
+  // Reduces unit i's full gradient into its grad shard on the communication
+  // stream, after the work queued on `s`; then frees the full gradient.
+  void reduce(std::size_t i, const Stream& s) {
+    Unit& u = units_[i];
+    if (direct_grads_ || !u.full_grad.defined()) return;
+    u.params_free.record(s);
+    u.params_free.wait(comm_stream_);
+    const Stream& c = comm_stream_;
+    const DType rd = options_.precision.reduce;
+    const int64_t n = u.layout.shard_numel();
+    Tensor src = u.full_grad;
+    if (rd != DType::f32) {
+      src = Tensor::empty(u.full_grad.shape(), rd, device_, c);
+      ops::cast(u.full_grad, src, c);
+    }
+    Tensor out;
+    if (shard_comm_) {
+      Tensor rank_major = Tensor::empty({u.layout.gathered_numel()}, rd, device_, c);
+      pack_rank_major(src, rank_major, u.layout, c);
+      out = Tensor::empty({n}, rd, device_, c);
+      shard_comm_->reduce_scatter(rank_major, out, options_.gradient_reduce, c);
+    } else {
+      out = src;  // one rank per shard group: the layout is the shard's
+    }
+    if (replicate_comm_) replicate_comm_->all_reduce(out, options_.gradient_reduce, c);
+    if (rd != DType::f32) {
+      Tensor f = Tensor::empty({n}, DType::f32, device_, c);
+      ops::cast(out, f, c);
+      out = f;
+    }
+    ops::add_(u.grad_shard, out, c);
+    for (nn::Parameter* p : u.params) p->grad = Tensor{};
+    u.full_grad = Tensor{};
+    grads_reduced_.record(c);
+  }
+
+  void wait_for_reductions(const Stream& s) {
+    grads_reduced_.record(comm_stream_);
+    grads_reduced_.wait(s);
+  }
+
+  std::vector<Tensor> grad_shards() const {
+    std::vector<Tensor> g;
+    for (const Unit& u : units_) g.push_back(u.grad_shard);
+    return g;
+  }
+
+  std::unique_ptr<Module> module_;
+  ShardedOptions options_;
+  comm::Comm* shard_comm_ = nullptr;      // null: one rank per shard group
+  comm::Comm* replicate_comm_ = nullptr;  // null: no replicas
+  optim::AdamW adamw_;
+  Device device_;
+  DType compute_dtype_ = DType::f32, master_dtype_ = DType::f32;
+  bool separate_compute_ = false;  // compute shard distinct from the master shard
+  bool aliased_params_ = false;    // gathered buffer = compute shard (shard group of one)
+  bool direct_grads_ = false;      // gradients accumulate straight into the grad shard
+  bool offload_ = false;           // master shards and AdamW states on the host (cpu_offload)
+  std::vector<Unit> units_;
+  std::size_t lm_head_unit_ = 0;
+  std::unordered_map<std::string, std::pair<std::size_t, std::size_t>> index_;
+  Stream comm_stream_, last_stream_;
+  Event grads_reduced_, params_updated_, grads_zeroed_;
+  Event params_uploaded_;  // cpu_offload: the last uploads from the staging shards
+  int micro_batches_ = 1, micro_batch_ = 0;
+  bool sync_now_ = true;
+};
+
+}  // namespace slime::parallel
