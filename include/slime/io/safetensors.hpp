@@ -138,6 +138,16 @@ struct SafetensorsTensorInfo {
   }
 };
 
+// A tensor to write: declared before its data (safetensors_writer.hpp streams
+// the data afterwards).
+struct SafetensorsEntry {
+  std::string name;
+  DType dtype = DType::f32;
+  Shape shape;
+
+  uint64_t nbytes() const { return uint64_t(shape.numel()) * dtype_size(dtype); }
+};
+
 namespace detail {
 
 inline std::string errno_text(int err) { return std::string(std::strerror(err)); }
@@ -584,9 +594,8 @@ inline void write_file_atomically(const std::filesystem::path& path, std::string
 }
 
 // The header bytes (JSON padded with spaces to a multiple of 8) for
-// `tensors` laid out contiguously in order. Checks names and tensors.
-inline std::string safetensors_header(const std::filesystem::path& path,
-                                      const std::vector<std::pair<std::string, Tensor>>& tensors,
+// `entries` laid out contiguously in order. Checks the names.
+inline std::string safetensors_header(const std::filesystem::path& path, std::span<const SafetensorsEntry> entries,
                                       const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
@@ -596,17 +605,16 @@ inline std::string safetensors_header(const std::filesystem::path& path,
   }
   std::set<std::string_view> seen;
   uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    if (name == "__metadata__")
+  for (const auto& e : entries) {
+    if (e.name == "__metadata__")
       SLIME_FAIL("writing '", path.string(), "': '__metadata__' is reserved and cannot name a tensor");
-    if (!seen.insert(name).second) SLIME_FAIL("writing '", path.string(), "': duplicate tensor name '", name, "'");
-    if (!t.defined()) SLIME_FAIL("writing '", path.string(), "': tensor '", name, "' is undefined");
+    if (!seen.insert(e.name).second) SLIME_FAIL("writing '", path.string(), "': duplicate tensor name '", e.name, "'");
     nlohmann::ordered_json entry = nlohmann::ordered_json::object();
-    entry["dtype"] = safetensors_dtype_name(t.dtype());
-    entry["shape"] = std::vector<int64_t>(t.shape().begin(), t.shape().end());
-    entry["data_offsets"] = {offset, offset + t.nbytes()};
-    offset += t.nbytes();
-    header[name] = std::move(entry);
+    entry["dtype"] = safetensors_dtype_name(e.dtype);
+    entry["shape"] = std::vector<int64_t>(e.shape.begin(), e.shape.end());
+    entry["data_offsets"] = {offset, offset + e.nbytes()};
+    offset += e.nbytes();
+    header[e.name] = std::move(entry);
   }
   std::string text = header.dump();
   text.append((kSafetensorsAlignment - text.size() % kSafetensorsAlignment) % kSafetensorsAlignment, ' ');
@@ -614,6 +622,19 @@ inline std::string safetensors_header(const std::filesystem::path& path,
     SLIME_FAIL("writing '", path.string(), "': header of ", text.size(), " bytes exceeds the ",
                kSafetensorsMaxHeaderBytes, "-byte limit readers accept");
   return text;
+}
+
+// The same for tensors; checks that each is defined.
+inline std::string safetensors_header(const std::filesystem::path& path,
+                                      const std::vector<std::pair<std::string, Tensor>>& tensors,
+                                      const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsEntry> entries;
+  entries.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    if (!t.defined()) SLIME_FAIL("writing '", path.string(), "': tensor '", name, "' is undefined");
+    entries.push_back({name, t.dtype(), t.shape()});
+  }
+  return safetensors_header(path, entries, metadata);
 }
 
 // Appends a tensor's bytes; CUDA tensors go through a host copy.
@@ -768,6 +789,23 @@ inline bool is_shard_file_name(std::string_view s) {
   return at != std::string_view::npos && digits(s.substr(0, at)) && digits(s.substr(at + mid.size()));
 }
 
+// Splits tensors of `sizes` bytes, in order, into shards of at most
+// `max_shard_bytes` (a new shard when the next tensor would overflow the
+// current one; a tensor larger than the limit gets a shard of its own).
+// Returns the index of each shard's first tensor; always at least one shard.
+inline std::vector<std::size_t> plan_shards(std::span<const uint64_t> sizes, uint64_t max_shard_bytes) {
+  std::vector<std::size_t> first{0};
+  uint64_t in_shard = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    if (i > first.back() && in_shard + sizes[i] > max_shard_bytes) {
+      first.push_back(i);
+      in_shard = 0;
+    }
+    in_shard += sizes[i];
+  }
+  return first;
+}
+
 }  // namespace detail
 
 // Writes `tensors` as a Hugging Face checkpoint in `dir` (created if needed):
@@ -796,18 +834,18 @@ inline void write_safetensors_dir(const std::filesystem::path& dir,
   }
   metadata.emplace("format", "pt");
 
-  // Greedy, in order.
-  std::vector<std::vector<std::pair<std::string, Tensor>>> shards(1);
-  uint64_t in_shard = 0, total = 0;
-  for (const auto& entry : tensors) {
-    const uint64_t b = entry.second.nbytes();
-    if (!shards.back().empty() && in_shard + b > max_shard_bytes) {
-      shards.emplace_back();
-      in_shard = 0;
+  std::vector<uint64_t> sizes;
+  sizes.reserve(tensors.size());
+  for (const auto& entry : tensors) sizes.push_back(entry.second.nbytes());
+  const std::vector<std::size_t> first = detail::plan_shards(sizes, max_shard_bytes);
+  std::vector<std::vector<std::pair<std::string, Tensor>>> shards(first.size());
+  uint64_t total = 0;
+  for (std::size_t s = 0; s < first.size(); ++s) {
+    const std::size_t stop = s + 1 < first.size() ? first[s + 1] : tensors.size();
+    for (std::size_t i = first[s]; i < stop; ++i) {
+      shards[s].push_back(tensors[i]);
+      total += sizes[i];
     }
-    shards.back().push_back(entry);
-    in_shard += b;
-    total += b;
   }
 
   std::error_code ec;
