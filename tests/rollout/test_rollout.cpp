@@ -69,10 +69,21 @@ void require_same(const std::vector<rollout::Completion>& a, const std::vector<r
   }
 }
 
-}  // namespace
+nn::Qwen3Model tiny_moe_model(uint64_t seed = 4) {
+  nn::Qwen3Config c = tiny_config();
+  c.model_type = "qwen3_moe";
+  c.num_experts = 6;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 12;
+  c.mlp_only_layers = {0};  // layer 0 dense, layer 1 sparse
+  nn::Qwen3Model m(c, {});
+  m.init_random(seed, 0.3f);
+  return m;
+}
 
-TEST_CASE("engine logprobs equal the trainer's recompute bit for bit on the CPU", "[rollout]") {
-  nn::Qwen3Model model = tiny_model();
+// The engine's logprobs against the trainer's recompute over the packed
+// prompts + completions, bit for bit.
+void check_on_policy(nn::Qwen3Model& model) {
   rollout::Engine engine(model, {.max_batch = 4, .max_context = 40, .kv_capacity = 0, .seed = 11});
   const auto requests = some_requests();
   const auto out = engine.generate(requests);
@@ -110,6 +121,20 @@ TEST_CASE("engine logprobs equal the trainer's recompute bit for bit on the CPU"
     }
     CHECK(compared > 0);
   }
+}
+
+}  // namespace
+
+TEST_CASE("engine logprobs equal the trainer's recompute bit for bit on the CPU", "[rollout]") {
+  nn::Qwen3Model model = tiny_model();
+  check_on_policy(model);
+}
+
+TEST_CASE("the same holds for a Qwen3-MoE model (a dense and a sparse layer)", "[rollout][moe]") {
+  nn::Qwen3Model model = tiny_moe_model();
+  REQUIRE(model.layers()[1].is_sparse());
+  REQUIRE_FALSE(model.layers()[0].is_sparse());
+  check_on_policy(model);
 }
 
 TEST_CASE("a completion does not depend on the batch it runs in", "[rollout]") {

@@ -371,7 +371,13 @@ class Engine {
     return at.o_proj.forward(o.reshape({T, hq * d}), ctx.o_proj, stream);
   }
 
+  // The layer's MLP, or its MoE block (router + experts, expert parallel
+  // when the engine's model was built with one).
   Tensor feed_forward(nn::DecoderLayer& layer, const Tensor& x, const Stream& stream) {
+    if (layer.is_sparse()) {
+      nn::SparseMoeBlock::Context ctx;
+      return layer.moe->forward(x, ctx, stream);
+    }
     nn::MLP::Context ctx;
     return layer.mlp.forward(x, ctx, stream);
   }
