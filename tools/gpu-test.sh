@@ -16,6 +16,12 @@
 # last thing printed is the summary: each step, tests passed/failed/skipped per
 # label, and the bandwidth table.
 #
+# Selection (to spend scarce GPU time where it is needed):
+#   SLIME_GPU_TEST_BENCH=none     build and tests only
+#   SLIME_GPU_TEST_BENCH=a,b      only these benchmark families (bench/<family>.cmake;
+#                                 "collectives" for the NCCL one); default: all
+#   SLIME_GPU_TEST_TESTS=none     skip the ctest steps (benchmarks only)
+#
 # NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 for every step (slime
 # never enables it; on shared hosts a program using it can take the GPUs out
 # of service), and likewise PyTorch's and NVSHMEM's multicast.
@@ -30,6 +36,14 @@ BUILD=build/gpu
 OUT_DIR=${OUT:-$BUILD/out}
 BUDGET_S=${SLIME_GPU_TEST_BUDGET_S:-470}
 JOBS=$(nproc 2>/dev/null || echo 8)
+BENCH_SEL=${SLIME_GPU_TEST_BENCH:-all}
+TESTS_SEL=${SLIME_GPU_TEST_TESTS:-all}
+# bench_wanted FAMILY: true when the selection includes it.
+bench_wanted() {
+  [[ $BENCH_SEL == all ]] && return 0
+  [[ $BENCH_SEL == none ]] && return 1
+  [[ ",$BENCH_SEL," == *",$1,"* ]]
+}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 START=$SECONDS
@@ -120,6 +134,7 @@ step configure 120 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -D
 step build 300 cmake --build "$BUILD" -j "$JOBS" -- -k 0
 
 # ---- tests ----------------------------------------------------------------------
+if [[ $TESTS_SEL != none ]]; then
 # ctest's JUnit files carry each test's labels; summarize() counts them.
 step ctest-all 240 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -j 4 \
   --output-junit "$OUT_DIR/ctest-all.xml"
@@ -132,10 +147,13 @@ if ((GPUS >= 2)); then
 fi
 step ctest-multi_gpu 120 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -L '^multi_gpu$' \
   --output-junit "$OUT_DIR/ctest-multi_gpu.xml"
+fi
 
 # ---- benchmarks -----------------------------------------------------------------
 BENCH="$BUILD/bench/bench_collectives"
-if ((GPUS < 2)); then
+if ! bench_wanted collectives; then
+  skip_step bench-collectives "not selected"
+elif ((GPUS < 2)); then
   skip_step bench-collectives "needs 2 GPUs, found $GPUS"
   skip_step bench-torch "needs 2 GPUs, found $GPUS"
   skip_step bench-compare "needs 2 GPUs"
@@ -178,6 +196,7 @@ fsdp_baseline() {
 # ---- op benchmarks: bench_<family> (Google Benchmark) beside bench/torch_<family>.py
 for list in bench/*.cmake; do
   family=$(basename "$list" .cmake)
+  bench_wanted "$family" || continue
   bin="$BUILD/bench/bench_$family"
   if [[ ! -x $bin ]]; then
     skip_step "bench-$family" "$bin was not built"
