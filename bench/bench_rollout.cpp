@@ -6,9 +6,10 @@
 // tokens, exactly 64 new tokens each (no stop token), temperature 1; the time
 // is the whole call (prefill + 64 decode steps, sampling on the GPU); the
 // counter tokens_per_s = B * 64 / time.
-// Model "dense": hidden 1024, 8 layers, 16 heads / 4 KV heads, head_dim 64,
-// intermediate 3072, vocab 32000 (the dims of the Qwen3-MoE benchmark
-// config with a dense MLP).
+// Model "moe": the project's Qwen3-MoE benchmark config: hidden 1024, 8
+// layers, 16 heads / 4 KV heads, head_dim 64, 32 experts top-4,
+// moe_intermediate 384, vocab 32000. Model "dense": the same with a dense
+// MLP of intermediate 3072.
 #include <chrono>
 #include <string>
 #include <vector>
@@ -23,8 +24,15 @@ using namespace slime;
 
 constexpr int64_t kPrompt = 64, kNew = 64;
 
-nn::Qwen3Config dense_config() {
+nn::Qwen3Config config(bool moe) {
   nn::Qwen3Config c;
+  if (moe) {
+    c.model_type = "qwen3_moe";
+    c.num_experts = 32;
+    c.num_experts_per_tok = 4;
+    c.moe_intermediate_size = 384;
+    c.norm_topk_prob = true;
+  }
   c.vocab_size = 32000;
   c.hidden_size = 1024;
   c.intermediate_size = 3072;
@@ -49,14 +57,15 @@ std::vector<rollout::Request> requests(int64_t batch) {
   return rs;
 }
 
-void decode(benchmark::State& state, int64_t batch) {
+void decode(benchmark::State& state, bool moe, int64_t batch) {
   if (bench::skip_without_cuda(state)) return;
   bench::run_or_skip(state, [&] {
-    static nn::Qwen3Model* model = [] {
-      auto* m = new nn::Qwen3Model(dense_config(), {Device::cuda(0), DType::bf16});
-      m->init_random(1, 0.02f);
-      return m;
-    }();
+    static nn::Qwen3Model* models[2] = {nullptr, nullptr};
+    nn::Qwen3Model*& model = models[moe ? 1 : 0];
+    if (model == nullptr) {
+      model = new nn::Qwen3Model(config(moe), {Device::cuda(0), DType::bf16});
+      model->init_random(1, 0.02f);
+    }
     rollout::Engine engine(*model, {.max_batch = batch, .max_context = kPrompt + kNew, .kv_capacity = 0, .seed = 1});
     const auto reqs = requests(batch);
     engine.generate(reqs);  // warm-up: allocations, cuBLAS handles
@@ -75,13 +84,15 @@ void decode(benchmark::State& state, int64_t batch) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int64_t b : {1, 32, 256})
-    benchmark::RegisterBenchmark(("rollout/dense/decode/b" + std::to_string(b)).c_str(),
-                                 [b](benchmark::State& s) { decode(s, b); })
-        ->UseManualTime()
-        ->Unit(benchmark::kMillisecond)
-        ->Iterations(3)
-        ->Repetitions(3)
-        ->ReportAggregatesOnly(true);
+  for (bool moe : {false, true})
+    for (int64_t b : {1, 32, 256})
+      benchmark::RegisterBenchmark(
+          ("rollout/" + std::string(moe ? "moe" : "dense") + "/decode/b" + std::to_string(b)).c_str(),
+          [moe, b](benchmark::State& s) { decode(s, moe, b); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(3)
+          ->Repetitions(3)
+          ->ReportAggregatesOnly(true);
   return slime::bench::run_benchmarks(argc, argv);
 }

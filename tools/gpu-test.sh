@@ -21,6 +21,7 @@
 #   SLIME_GPU_TEST_BENCH=a,b      only these benchmark families (bench/<family>.cmake;
 #                                 "collectives" for the NCCL one); default: all
 #   SLIME_GPU_TEST_TESTS=none     skip the ctest steps (benchmarks only)
+#   SLIME_GPU_TEST_TESTS=gpu      only the gpu and multi_gpu labels (once, all GPUs)
 #
 # NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 for every step (slime
 # never enables it; on shared hosts a program using it can take the GPUs out
@@ -138,10 +139,12 @@ if [[ $TESTS_SEL != none ]]; then
 # ctest's JUnit files carry each test's labels; summarize() counts them.
 step ctest-all 240 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -j 4 \
   --output-junit "$OUT_DIR/ctest-all.xml"
+fi
+if [[ $TESTS_SEL != none ]]; then
 step ctest-gpu 150 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -j 4 -L '^gpu$' \
   --output-junit "$OUT_DIR/ctest-gpu.xml"
 # The gpu tests once more on a single GPU, as a one-GPU machine sees them.
-if ((GPUS >= 2)); then
+if ((GPUS >= 2)) && [[ $TESTS_SEL == all ]]; then
   step ctest-gpu-1dev 150 env CUDA_VISIBLE_DEVICES=0 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error \
     -j 4 -L '^gpu$' --output-junit "$OUT_DIR/ctest-gpu-1dev.xml"
 fi

@@ -116,9 +116,12 @@ TEST_CASE("Sharded CPU offload on a GPU matches the run without it", "[fsdp][gpu
   }
   const int64_t S = plain.shard_elems;
   CHECK(off.shard_elems == S);
-  CHECK(plain.device_bytes == 18 * S);  // master 4 + compute 2 + grad 4 + moments 8
+  // Device: master 4 + compute 2 + grad 4 + moments 8 bytes per shard element,
+  // plus the same op workspaces in both runs (attention, logprobs: a fixed
+  // amount); offload moves the master and the moments (12 S) off the device.
+  CHECK(plain.device_bytes >= 18 * S);
+  CHECK(plain.device_bytes - off.device_bytes == 12 * S);
   CHECK(plain.pinned_bytes == 0);
-  CHECK(off.device_bytes == 6 * S);
   CHECK(off.pinned_bytes == 10 * S);
   CHECK(off.host_bytes == 8 * S);
 }

@@ -73,9 +73,10 @@ inline uint64_t fnv1a(const void* data, std::size_t n, uint64_t h = 0xcbf29ce484
 // FNV-1a 64 of a tensor's bytes (a host copy for device tensors), continuing from h.
 inline uint64_t tensor_hash(const Tensor& t, uint64_t h = 0xcbf29ce484222325ull, const Stream& stream = {}) {
   if (t.device().is_cpu()) return fnv1a(t.data_ptr(), t.nbytes(), h);
-  const std::vector<uint8_t> host =
-      t.reshape({int64_t(t.nbytes() / dtype_size(t.dtype()))}).to(Device::cpu(), stream).template to_vector<uint8_t>();
-  return fnv1a(host.data(), host.size(), h);
+  const Tensor host = t.to(Device::cpu(), stream);
+  stream.synchronize();
+  Stream::default_for(t.device()).synchronize();
+  return fnv1a(host.data_ptr(), host.nbytes(), h);
 }
 
 // Hash of every parameter of a model, in its parameter order.
