@@ -74,7 +74,7 @@ def make_cases(device):
             return ids, order, c2r, tok, randn
         toks = torch.tensor([0, 1, 4097], device=device)
 
-        def layout_setup(T=T, E=E, k=k):
+        def layout_setup(T=T, E=E, k=k, common=common):
             ids, order, c2r, _, _ = common()
             flat = ids.flatten()
             inverse = torch.empty_like(order)
@@ -93,7 +93,7 @@ def make_cases(device):
 
             return run, check
 
-        def permute_setup(backward, T=T, k=k, N=N):
+        def permute_setup(backward, T=T, k=k, N=N, common=common):
             ids, order, c2r, tok, randn = common()
             if not backward:
                 x = randn(T, H)
@@ -113,7 +113,7 @@ def make_cases(device):
 
             return run, check
 
-        def unpermute_setup(backward, T=T, k=k, N=N):
+        def unpermute_setup(backward, T=T, k=k, N=N, common=common):
             ids, order, c2r, tok, randn = common()
             yg = randn(N, H)
             w = randn(T, k, scale=0.3)
@@ -140,7 +140,7 @@ def make_cases(device):
 
             return run, check
 
-        def router_setup(T=T, E=E, k=k):
+        def router_setup(T=T, E=E, k=k, common=common):
             _, _, _, _, randn = common()
             logits = randn(T, E, scale=2.0)
 
