@@ -37,8 +37,15 @@ using parallel::ShardGradOp;
 
 namespace {
 
-nn::Qwen3Config tiny_config(bool tied) {
+nn::Qwen3Config tiny_config(bool tied, bool moe = false) {
   nn::Qwen3Config c;
+  if (moe) {  // Qwen3-MoE: layer 0 dense, layer 1 sparse (4 experts, top-2)
+    c.model_type = "qwen3_moe";
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 12;
+    c.mlp_only_layers = {0};
+  }
   c.vocab_size = 37;  // prime: the embedding rows never divide the ranks
   c.hidden_size = 16;
   c.intermediate_size = 24;
@@ -85,6 +92,7 @@ struct RunConfig {
   int micro_batches = 1;
   int steps = 3;
   bool tied = false;
+  bool moe = false;
   double max_grad_norm = 0;
   parallel::ShardedOptions options;
 };
@@ -102,7 +110,7 @@ using Params = std::map<std::string, std::vector<float>>;
 
 // The unwrapped model trained on every rank's micro-batches in turn.
 Params reference_run(const RunConfig& rc, std::vector<double>* losses = nullptr) {
-  nn::Qwen3Model model = make_model(tiny_config(rc.tied));
+  nn::Qwen3Model model = make_model(tiny_config(rc.tied, rc.moe));
   optim::AdamW opt;
   for (int step = 0; step < rc.steps; ++step) {
     nn::zero_grad(model);
@@ -156,7 +164,7 @@ template <class S>
 Params sharded_run(const RunConfig& rc) {
   Params out;
   comm::run_local_ranks(rc.ranks, [&](comm::Comm& comm) {
-    Sharded<nn::Qwen3Model, S> sh(make_model(tiny_config(rc.tied)), comm, rc.options);
+    Sharded<nn::Qwen3Model, S> sh(make_model(tiny_config(rc.tied, rc.moe)), comm, rc.options);
     train(sh, rc, comm.rank(), comm.size(), comm.rank() == 0 ? &out : nullptr, nullptr);
   });
   return out;
@@ -261,6 +269,25 @@ TEMPLATE_TEST_CASE("Sharded on 1-4 LocalComm ranks equals the unwrapped model af
       } else {
         CHECK(max_rel_diff(got, want) <= 1e-6);
       }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("Sharded wraps Qwen3-MoE (no expert parallelism) like a dense model", "[fsdp][moe]", FullShard,
+                   ShardGradOp, NoShard) {
+  for (int ranks = 1; ranks <= 3; ++ranks) {
+    INFO("ranks " << ranks);
+    RunConfig rc;
+    rc.ranks = ranks;
+    rc.moe = true;
+    rc.micro_batches = 2;
+    const Params want = reference_run(rc);
+    REQUIRE(want.count("model.layers.1.mlp.experts.{}.up_proj.weight") == 1);
+    const Params got = sharded_run<TestType>(rc);
+    if (ranks == 1) {
+      CHECK(bitwise_equal(got, want));
+    } else {
+      CHECK(max_rel_diff(got, want) <= 1e-6);
     }
   }
 }

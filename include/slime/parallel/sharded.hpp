@@ -40,8 +40,10 @@
 // Composition with ExpertParallel (extension point): a module whose
 // ShardingUnits mark a unit ShardGroup::expert will have that unit sharded
 // over the data-parallel ranks inside its expert group (an expert shard Comm
-// given next to the dense one); the flat-shard machinery is unchanged. Until
-// the MoE model lands, such units are rejected with an error.
+// given next to the dense one); the flat-shard machinery is unchanged.
+// Qwen3-MoE models without expert parallelism shard like dense ones (the
+// stacked expert weights are parameters of their layer's unit); with
+// ExpertParallel of degree > 1 they are rejected with an error until then.
 //
 // CPU offload (ShardedOptions::cpu_offload): the master shards live in pinned
 // host memory and the AdamW moments in (pageable) host memory: they never

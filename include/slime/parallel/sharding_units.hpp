@@ -31,9 +31,9 @@ namespace slime::parallel {
 //   dense:  every data-parallel rank (the shard group Sharded was built with).
 //   expert: extension point for ExpertParallel: expert weights shard over the
 //           data-parallel ranks inside their expert group (the mesh's dp_shard
-//           axis when ep takes the experts). Sharded rejects it until the MoE
-//           model gives it units to shard; the flat-shard machinery is the
-//           same with another Comm.
+//           axis when ep takes the experts). Sharded rejects models with
+//           ExpertParallel of degree > 1 until it is composed; the
+//           flat-shard machinery is the same with another Comm.
 enum class ShardGroup : uint8_t { dense, expert };
 
 struct ShardingUnit {
@@ -52,8 +52,17 @@ struct ShardingUnits<nn::Qwen3Model> {
   using Context = nn::Qwen3Model::Context;
 
   static std::vector<ShardingUnit> units(nn::Qwen3Model& m) {
-    SLIME_CHECK(!m.config().is_moe(), "Sharded<Qwen3Model>: MoE layers need the expert shard group ",
-                "(ShardGroup::expert with ExpertParallel), which is not composed yet; dense Qwen3 only");
+    // Qwen3-MoE without expert parallelism: the experts are ordinary
+    // parameters of their layer's unit. With ExpertParallel the ranks hold
+    // different experts, which must shard over the data-parallel ranks
+    // inside their expert group (ShardGroup::expert): not composed yet.
+    for (auto& layer : m.layers())
+      SLIME_CHECK(!layer.is_sparse() || layer.moe->expert_parallel() == nullptr ||
+                      layer.moe->expert_parallel()->size() == 1,
+                  "Sharded<Qwen3Model>: a model with ExpertParallel of degree ",
+                  layer.moe->expert_parallel()->size(),
+                  " needs the expert shard group (ShardGroup::expert), which is not composed yet; ",
+                  "wrap a Qwen3-MoE model without expert parallelism (EP = 1)");
     std::vector<ShardingUnit> u;
     u.push_back({"model.embed_tokens", {}, ShardGroup::dense});
     m.embed_tokens().for_each_parameter([&](nn::Parameter& p) { u.back().params.push_back(&p); });
