@@ -308,6 +308,12 @@ class Sharded {
     return names;
   }
 
+  // The full (unsharded) shape of one parameter.
+  const Shape& parameter_shape(std::string_view name) const {
+    const auto [u, i] = find(name);
+    return units_[u].layout.entries()[i].shape;
+  }
+
   // The full master-dtype value of one parameter on every rank of the shard
   // group (one all-gather of that parameter only, so an export streams the
   // model one tensor at a time). Collective over the shard group: every rank

@@ -1,0 +1,133 @@
+// The RL example's options: every knob of the trainer, with its default, in
+// one struct that --help documents (CLI11).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace rl_example {
+
+struct Options {
+  // What to train.
+  std::string model;               // HF directory (config.json + safetensors); empty: the built-in tiny Qwen3-MoE
+  std::string task = "successor";  // a built-in task of slime/data/tasks.hpp
+  float init_std = 0.1f;           // built-in model: N(0, init_std) weights
+  int steps = 200;
+  uint64_t seed = 1;
+  // Rollout.
+  int prompts_per_rollout = 32;  // over all ranks
+  int samples_per_prompt = 8;   // the GRPO group size
+  float temperature = 1.f;
+  // Advantages and loss.
+  std::string advantage = "grpo";  // grpo | gspo | reinforce++
+  double eps_clip = 0.2, eps_clip_high = 0.28, eps_clip_c = 0;
+  std::string is_correction = "tis";  // none | tis | mis-token | mis-sequence | mis-geometric
+  std::string mis_mode = "truncate";  // truncate | clip | mask
+  double is_low = 0, is_high = 2;
+  std::string kl_type = "k3";  // k1 | k2 | k3
+  double kl_coef = 0;
+  double entropy_coef = 0;
+  // Optimisation.
+  double lr = 3e-3, min_lr = 0;
+  std::string lr_schedule = "constant";  // constant | warmup | cosine
+  int warmup_steps = 0;
+  double max_grad_norm = 1.0;
+  double weight_decay = 0.0;
+  int64_t max_tokens_per_gpu = 4096;  // packing budget of one micro-batch
+  // Parallelism and devices.
+  std::string fsdp = "full";  // full | grad_op | no_shard
+  int ep = 1;                 // expert-parallel degree (1: experts shard with FSDP)
+  std::string rollout_mode = "colocated";
+  bool offload = false;  // colocated: engine weights and KV cache leave the GPU while training
+  int ranks = 2;
+  std::string device = "auto";  // auto | cpu | cuda
+  // Output.
+  std::string out_dir = "runs/qwen3_moe_rl";
+  int checkpoint_every = 0;  // 0: only at the end
+  bool resume = false;
+  bool export_hf = true;
+  bool tensorboard = true;
+  bool short_run = false;  // CI: a few steps, small batches
+
+  void add_to(CLI::App& app) {
+    auto* g = "What to train";
+    app.add_option("--model", model, "HF model directory (config.json + safetensors); default: built-in tiny Qwen3-MoE")
+        ->group(g);
+    app.add_option("--init-std", init_std, "built-in model: standard deviation of the random initial weights")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--task", task, "built-in task with a verifier: successor, copy, reverse, sum")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--steps", steps, "optimizer steps (one rollout each)")->capture_default_str()->group(g);
+    app.add_option("--seed", seed, "seed of prompts, sampling and initialisation")->capture_default_str()->group(g);
+    g = "Rollout";
+    app.add_option("--prompts-per-rollout", prompts_per_rollout, "prompts per step, over all ranks")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--samples-per-prompt", samples_per_prompt, "samples per prompt (the GRPO group)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--temperature", temperature, "sampling temperature")->capture_default_str()->group(g);
+    g = "Objective";
+    app.add_option("--advantage", advantage, "grpo | gspo | reinforce++")->capture_default_str()->group(g);
+    app.add_option("--eps-clip", eps_clip, "PPO/GSPO lower clip (1 - eps)")->capture_default_str()->group(g);
+    app.add_option("--eps-clip-high", eps_clip_high, "upper clip (1 + eps_high)")->capture_default_str()->group(g);
+    app.add_option("--eps-clip-c", eps_clip_c, "dual clip for negative advantages (> 1; 0 off)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--is", is_correction,
+                   "rollout/trainer mismatch correction: none | tis | mis-token | "
+                   "mis-sequence | mis-geometric")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--mis-mode", mis_mode, "MIS outside the bounds: truncate | clip | mask")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--is-low", is_low, "importance weight lower bound")->capture_default_str()->group(g);
+    app.add_option("--is-high", is_high, "importance weight upper bound")->capture_default_str()->group(g);
+    app.add_option("--kl-type", kl_type, "KL estimator to the reference: k1 | k2 | k3")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--kl-coef", kl_coef, "KL coefficient (0: no reference model)")->capture_default_str()->group(g);
+    app.add_option("--entropy-coef", entropy_coef, "entropy bonus coefficient")->capture_default_str()->group(g);
+    g = "Optimisation";
+    app.add_option("--lr", lr, "AdamW learning rate")->capture_default_str()->group(g);
+    app.add_option("--lr-schedule", lr_schedule, "constant | warmup | cosine")->capture_default_str()->group(g);
+    app.add_option("--warmup-steps", warmup_steps, "linear warm-up steps")->capture_default_str()->group(g);
+    app.add_option("--min-lr", min_lr, "cosine floor")->capture_default_str()->group(g);
+    app.add_option("--max-grad-norm", max_grad_norm, "global grad-norm clip (0: off)")->capture_default_str()->group(g);
+    app.add_option("--weight-decay", weight_decay, "AdamW decoupled weight decay")->capture_default_str()->group(g);
+    app.add_option("--max-tokens-per-gpu", max_tokens_per_gpu, "tokens per packed micro-batch")
+        ->capture_default_str()
+        ->group(g);
+    g = "Parallelism";
+    app.add_option("--fsdp", fsdp, "full | grad_op | no_shard")->capture_default_str()->group(g);
+    app.add_option("--ep", ep, "expert-parallel degree (only 1 composes with FSDP today)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--rollout", rollout_mode, "colocated (the engine shares each rank's device)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_flag("--offload", offload, "colocated: offload engine weights and KV cache during training")->group(g);
+    app.add_option("--ranks", ranks, "ranks as threads of this process (ignored under torchrun/mpirun/srun)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--device", device, "auto | cpu | cuda")->capture_default_str()->group(g);
+    g = "Output";
+    app.add_option("--out", out_dir, "metrics.jsonl, TensorBoard events, checkpoints, HF export")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--checkpoint-every", checkpoint_every, "checkpoint interval in steps (0: at the end only)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_flag("--resume", resume, "continue from the latest checkpoint in --out")->group(g);
+    app.add_flag("!--no-export", export_hf, "skip the HF export at the end")->group(g);
+    app.add_flag("!--no-tensorboard", tensorboard, "no TensorBoard event file")->group(g);
+    app.add_flag("--short", short_run, "CI: 6 steps, 4 prompts x 4 samples")->group(g);
+  }
+};
+
+}  // namespace rl_example
