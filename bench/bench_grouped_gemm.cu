@@ -21,7 +21,12 @@
 // Names: grouped_gemm/<problem>/<proj>/<dist>/<op> runs the dispatcher's
 // choice; .../<op>/<tile> (m128n128k32, m128n256k64, m128n128k64) forces each
 // tensor-core tile configuration (slime only, to pick the dispatcher's table
-// from one run).
+// from one run); .../<op>/cublas runs the cuBLAS backend with the host offsets
+// (slime only: fwd and dgrad one cublasGemmGroupedBatchedEx, experts of equal
+// size in one group; wgrad, f32 dw, one cublasGemmEx per expert), so one run
+// shows both backends against torch's <op> row. The plain <op> row is the
+// device-offset kernel unless SLIME_GROUPED_GEMM_BACKEND=cublas forces cuBLAS
+// (it then fetches the offsets with a stream sync per call).
 //
 // Timing: the first run of each benchmark checks 256 sampled outputs against a
 // double-precision host sum over host copies of the inputs (skips with the
@@ -138,9 +143,10 @@ Problem& problem(const Shape& s) {
   return *g_problem;
 }
 
-void launch(Problem& p, Op op, GroupedGemmTile tile) {
+// `cublas`: the cuBLAS backend with host offsets (tile automatic).
+void launch(Problem& p, Op op, GroupedGemmTile tile, bool cublas) {
   const Shape& s = p.shape;
-  if (tile == GroupedGemmTile::automatic) {
+  if (tile == GroupedGemmTile::automatic && !cublas) {
     switch (op) {
       case Op::fwd:
         return slime::ops::grouped_gemm_forward(p.x, p.w, p.offsets, p.y, p.stream);
@@ -165,6 +171,10 @@ void launch(Problem& p, Op op, GroupedGemmTile tile) {
   q.out_features = s.out;
   q.in_features = s.in;
   q.tile = tile;
+  if (cublas) {
+    q.host_offsets = p.offsets_host.data();
+    q.backend = slime::ops::cuda::GroupedGemmBackend::cublas;
+  }
   slime::ops::cuda::grouped_gemm(q, p.stream.handle());
 }
 
@@ -189,13 +199,13 @@ double element(const Tensor& t, int64_t i, const Stream& s) {
 
 // Runs the op once on poisoned outputs (dw from zero) and compares kSamples
 // outputs with a double-precision sum over the host inputs. "" or the error.
-std::string check_once(Problem& p, Op op, GroupedGemmTile tile) {
+std::string check_once(Problem& p, Op op, GroupedGemmTile tile, bool cublas) {
   const Shape& s = p.shape;
   const int64_t K = s.in, No = s.out;
   p.y.fill_bytes_(0xff, p.stream);
   p.dx.fill_bytes_(0xff, p.stream);
   p.dw.zero_(p.stream);
-  launch(p, op, tile);
+  launch(p, op, tile, cublas);
   auto f = [](BFloat16 v) { return double(float(v)); };
   const std::vector<int32_t>& off = p.offsets_host;
   for (int i = 0; i < kSamples; ++i) {
@@ -238,15 +248,15 @@ std::string check_once(Problem& p, Op op, GroupedGemmTile tile) {
   return "";
 }
 
-void run_grouped_gemm(benchmark::State& state, Shape s, Op op, GroupedGemmTile tile) {
+void run_grouped_gemm(benchmark::State& state, Shape s, Op op, GroupedGemmTile tile, bool cublas) {
   if (slime::bench::skip_without_cuda(state)) return;
   slime::bench::run_or_skip(state, [&] {
     Problem& p = problem(s);
     static std::map<std::string, std::string> verdicts;
-    const std::string id =
-        std::string(s.problem) + s.proj + s.dist + op_name(op) + slime::ops::cuda::grouped_gemm_tile_name(tile);
-    if (!slime::bench::passed_check(state, verdicts, id, [&] { return check_once(p, op, tile); })) return;
-    const double t = slime::bench::time_batches(state, p.stream, kWarmup, kBatch, [&] { launch(p, op, tile); });
+    const std::string id = std::string(s.problem) + s.proj + s.dist + op_name(op) +
+                           (cublas ? "cublas" : slime::ops::cuda::grouped_gemm_tile_name(tile));
+    if (!slime::bench::passed_check(state, verdicts, id, [&] { return check_once(p, op, tile, cublas); })) return;
+    const double t = slime::bench::time_batches(state, p.stream, kWarmup, kBatch, [&] { launch(p, op, tile, cublas); });
     slime::bench::flop_byte_counters(state, t, flop(s), bytes(s, op));
   });
 }
@@ -259,12 +269,16 @@ int main(int argc, char** argv) {
       const std::string base =
           std::string("grouped_gemm/") + s.problem + "/" + s.proj + "/" + s.dist + "/" + op_name(op);
       slime::bench::register_manual(
-          base, [s, op](benchmark::State& st) { run_grouped_gemm(st, s, op, GroupedGemmTile::automatic); },
+          base, [s, op](benchmark::State& st) { run_grouped_gemm(st, s, op, GroupedGemmTile::automatic, false); },
+          benchmark::kMicrosecond, kIterations, kRepetitions);
+      slime::bench::register_manual(
+          base + "/cublas",
+          [s, op](benchmark::State& st) { run_grouped_gemm(st, s, op, GroupedGemmTile::automatic, true); },
           benchmark::kMicrosecond, kIterations, kRepetitions);
       for (GroupedGemmTile tile : slime::ops::cuda::kGroupedGemmTiles)
         slime::bench::register_manual(
             base + "/" + slime::ops::cuda::grouped_gemm_tile_name(tile),
-            [s, op, tile](benchmark::State& st) { run_grouped_gemm(st, s, op, tile); }, benchmark::kMicrosecond,
+            [s, op, tile](benchmark::State& st) { run_grouped_gemm(st, s, op, tile, false); }, benchmark::kMicrosecond,
             kIterations, kRepetitions);
     }
   }

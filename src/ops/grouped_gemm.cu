@@ -46,6 +46,12 @@
 #include "slime/core/error.hpp"
 
 namespace slime::ops::cuda {
+
+// The cuBLAS backend (src/ops/grouped_gemm_cublas.cpp), after grouped_gemm's
+// checks, and the host offsets' check (throws slime::Error).
+void grouped_gemm_cublas(const GroupedGemmParams& p, StreamHandle stream);
+void check_grouped_gemm_host_offsets(const int32_t* o, int64_t experts, int64_t rows);
+
 namespace {
 
 using attention_impl::bf16;
@@ -582,6 +588,8 @@ void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream) {
                   p.out_features < INT_MAX - 256 && p.in_features >= 0 && p.in_features < INT_MAX - 256,
               "grouped_gemm: sizes must fit in int32 (experts ", p.experts, ", rows ", p.rows, ", out ", p.out_features,
               ", in ", p.in_features, ")");
+  if (p.host_offsets != nullptr) check_grouped_gemm_host_offsets(p.host_offsets, p.experts, p.rows);
+  if (grouped_gemm_backend_for(p) == GroupedGemmBackend::cublas) return grouped_gemm_cublas(p, stream);
   const GroupedGemmTile tile = grouped_gemm_tile_for(p);
   SLIME_CHECK(tile == GroupedGemmTile::simple || tensor_core_ok(p), "grouped_gemm: tile ", grouped_gemm_tile_name(tile),
               " needs bf16 inputs, in and out features multiples of 8 and 16-byte aligned pointers");

@@ -7,6 +7,12 @@
 // the dispatcher's choice) and (37, 21) and f32 inputs on the fallback;
 // bf16 and f32 outputs, accumulate on and off, outputs poisoned with 0xff
 // (NaN) first; bitwise run-to-run determinism; no allocation in steady state.
+// Every case also runs the cuBLAS backend (host offsets given: grouped
+// cublasGemmGroupedBatchedEx for same-dtype outputs, per-expert cublasGemmEx
+// for f32 outputs of bf16 inputs and for dw) with the same checks, plus: the
+// backend knobs (explicit, process-wide; cublas forced without host offsets
+// fetches them), bad host offsets, more experts than the pointer ring's first
+// capacity (it grows), and no allocation in steady state.
 //
 // Tolerances, as ‖gpu − ref‖ / ‖ref‖:
 //   bf16 outputs: 1e-2. Rounding the exact result once to bf16 is off by at
@@ -24,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -104,18 +111,20 @@ struct Case {
   DType in_dtype = DType::bf16;
 };
 
-// One pass on the GPU: through the Tensor API for `automatic`, else through
-// the CUDA API with the tile forced.
+// One pass on the GPU: through the Tensor API for `automatic` (the cuBLAS
+// backend when `host` holds the host offsets), else through the CUDA API with
+// the tile forced.
 void run_pass(GroupedGemmPass pass, GroupedGemmTile tile, const Tensor& a, const Tensor& b, const Tensor& c,
-              const Tensor& offsets, int64_t in_f, int64_t out_f, bool accumulate, const Stream& s) {
+              const Tensor& offsets, int64_t in_f, int64_t out_f, bool accumulate, const Stream& s,
+              std::span<const int32_t> host = {}) {
   if (tile == GroupedGemmTile::automatic) {
     switch (pass) {
       case GroupedGemmPass::forward:
-        return ops::grouped_gemm_forward(a, b, offsets, c, s);
+        return ops::grouped_gemm_forward(a, b, offsets, c, s, host);
       case GroupedGemmPass::backward_input:
-        return ops::grouped_gemm_backward_input(a, b, offsets, c, accumulate, s);
+        return ops::grouped_gemm_backward_input(a, b, offsets, c, accumulate, s, host);
       case GroupedGemmPass::backward_weight:
-        return ops::grouped_gemm_backward_weight(a, b, offsets, c, s);
+        return ops::grouped_gemm_backward_weight(a, b, offsets, c, s, host);
     }
   }
   ops::cuda::GroupedGemmParams p;
@@ -174,28 +183,46 @@ void check_case(const Case& c, uint64_t seed) {
 
   std::vector<DType> outs = {DType::f32};
   if (c.in_dtype == DType::bf16) outs.push_back(DType::bf16);
-  for (GroupedGemmTile tile : tiles) {
+  // The kernels (every tile), then the cuBLAS backend (automatic with host offsets).
+  struct Variant {
+    GroupedGemmTile tile;
+    bool cublas;
+  };
+  std::vector<Variant> variants;
+  for (GroupedGemmTile t : tiles) variants.push_back({t, false});
+  variants.push_back({GroupedGemmTile::automatic, true});
+  for (const Variant& v : variants) {
+    const GroupedGemmTile tile = v.tile;
+    const std::span<const int32_t> host = v.cublas ? std::span<const int32_t>(off) : std::span<const int32_t>();
     for (DType out : outs) {
-      INFO("tile " << ops::cuda::grouped_gemm_tile_name(tile) << " (runs " << ops::cuda::grouped_gemm_tile_name([&] {
-             ops::cuda::GroupedGemmParams q = probe;
-             q.tile = tile;
-             return ops::cuda::grouped_gemm_tile_for(q);
-           }()) << "), out "
-                   << dtype_name(out));
+      INFO((v.cublas ? "cuBLAS backend" : "kernel") << ", tile " << ops::cuda::grouped_gemm_tile_name(tile) << " (runs "
+                                                    << ops::cuda::grouped_gemm_tile_name([&] {
+                                                         ops::cuda::GroupedGemmParams q = probe;
+                                                         q.tile = tile;
+                                                         return ops::cuda::grouped_gemm_tile_for(q);
+                                                       }())
+                                                    << "), out " << dtype_name(out));
+      {  // the backend the Tensor API picks
+        ops::cuda::GroupedGemmParams q = probe;
+        q.tile = tile;
+        q.host_offsets = v.cublas ? off.data() : nullptr;
+        CHECK(ops::cuda::grouped_gemm_backend_for(q) ==
+              (v.cublas ? ops::cuda::GroupedGemmBackend::cublas : ops::cuda::GroupedGemmBackend::kernel));
+      }
       Tensor y = Tensor::empty({N, No}, out, d, s);
       y.fill_bytes_(0xff, s);
-      run_pass(GroupedGemmPass::forward, tile, x, w, y, offsets, K, No, false, s);
+      run_pass(GroupedGemmPass::forward, tile, x, w, y, offsets, K, No, false, s, host);
       check_against(y, y_ref, s, "y");
 
       Tensor dx = Tensor::empty({N, K}, out, d, s);
       dx.fill_bytes_(0xff, s);
-      run_pass(GroupedGemmPass::backward_input, tile, dy, w, dx, offsets, K, No, false, s);
+      run_pass(GroupedGemmPass::backward_input, tile, dy, w, dx, offsets, K, No, false, s, host);
       check_against(dx, dx_ref, s, "dx");
 
       Tensor dx_acc = random_on({N, K}, out, d, seed + 3, s);
       std::vector<double> dx_acc_ref = to_double(dx_acc, s);
       for (std::size_t i = 0; i < dx_acc_ref.size(); ++i) dx_acc_ref[i] += dx_ref[i];
-      run_pass(GroupedGemmPass::backward_input, tile, dy, w, dx_acc, offsets, K, No, true, s);
+      run_pass(GroupedGemmPass::backward_input, tile, dy, w, dx_acc, offsets, K, No, true, s, host);
       check_against(dx_acc, dx_acc_ref, s, "dx (accumulate)");
 
       if (out != DType::f32) continue;  // dw is always f32
@@ -204,12 +231,12 @@ void check_case(const Case& c, uint64_t seed) {
       const Tensor dw0 = dw.clone(s);
       std::vector<double> dw_acc_ref = to_double(dw, s);
       for (std::size_t i = 0; i < dw_acc_ref.size(); ++i) dw_acc_ref[i] += dw_ref[i];
-      run_pass(GroupedGemmPass::backward_weight, tile, dy, x, dw, offsets, K, No, false, s);
+      run_pass(GroupedGemmPass::backward_weight, tile, dy, x, dw, offsets, K, No, false, s, host);
       check_against(dw, dw_acc_ref, s, "dw (accumulate)");
 
       // Bitwise run to run: the same sums from the same start.
       Tensor dw2 = dw0.clone(s);
-      run_pass(GroupedGemmPass::backward_weight, tile, dy, x, dw2, offsets, K, No, false, s);
+      run_pass(GroupedGemmPass::backward_weight, tile, dy, x, dw2, offsets, K, No, false, s, host);
       const auto v1 = dw.to_vector<float>(s), v2 = dw2.to_vector<float>(s);
       CHECK(std::memcmp(v1.data(), v2.data(), v1.size() * sizeof(float)) == 0);
     }
@@ -253,6 +280,123 @@ TEST_CASE("grouped GEMM on the GPU with no rows writes nothing and keeps dw", "[
   check_case({"all empty", {0, 0, 0, 0}, 64, 72}, 1300);
 }
 
+TEST_CASE("grouped GEMM cuBLAS backend groups equal sizes and grows its pointer ring", "[ops][moe][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  // Uniform routing: every expert in one cuBLAS group.
+  check_case({"uniform E32", std::vector<int32_t>(32, 40), 256, 128}, 1400);
+  // 700 experts with rows: more problems than the ring's first capacity (256).
+  std::vector<int32_t> many(700);
+  for (std::size_t e = 0; e < many.size(); ++e) many[e] = int32_t(1 + philox_word(15, e) % 3);
+  check_case({"E700 all non-empty", many, 64, 72}, 1500);
+}
+
+TEST_CASE("grouped GEMM backend knobs pick the kernels or cuBLAS", "[ops][moe][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  using ops::cuda::GroupedGemmBackend;
+  struct Restore {
+    ~Restore() { ops::cuda::set_grouped_gemm_backend(GroupedGemmBackend::automatic); }
+  } restore;
+  ops::cuda::set_grouped_gemm_backend(GroupedGemmBackend::automatic);
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  const std::vector<int32_t> off = offsets_of({37, 0, 129, 1, 0, 64, 255, 17});
+  const int64_t E = 8, N = off.back(), K = 256, No = 128;
+  const Tensor offsets = Tensor::from_vector(off, {E + 1}, d, s);
+  const Tensor x = random_on({N, K}, DType::bf16, d, 31, s), w = random_on({E, No, K}, DType::bf16, d, 32, s);
+  auto forward = [&](std::span<const int32_t> host) {
+    Tensor y = Tensor::empty({N, No}, DType::bf16, d, s);
+    y.fill_bytes_(0xff, s);
+    ops::grouped_gemm_forward(x, w, offsets, y, s, host);
+    return y.to_vector<BFloat16>(s);
+  };
+  auto same_bits = [](const std::vector<BFloat16>& a, const std::vector<BFloat16>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(BFloat16)) == 0;
+  };
+  const int64_t fallbacks = ops::cuda::grouped_gemm_cublas_fallbacks();
+  const std::vector<BFloat16> y_kernel = forward({}), y_cublas = forward(off);
+  // bf16 -> bf16 is one of cublasGemmGroupedBatchedEx's type combinations.
+  CHECK(ops::cuda::grouped_gemm_cublas_fallbacks() == fallbacks);
+  {  // the two backends agree to bf16 rounding
+    std::vector<double> want(y_kernel.size());
+    for (std::size_t i = 0; i < want.size(); ++i) want[i] = double(float(y_kernel[i]));
+    check_against(Tensor::from_vector(y_cublas, {N, No}, d, s), want, s, "cuBLAS vs kernel");
+  }
+
+  ops::cuda::GroupedGemmParams q;
+  q.experts = E, q.rows = N, q.in_features = K, q.out_features = No;
+  CHECK(ops::cuda::grouped_gemm_backend() == GroupedGemmBackend::automatic);
+  CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::kernel);
+  q.host_offsets = off.data();
+  CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::cublas);
+  q.backend = GroupedGemmBackend::kernel;  // explicit per call
+  CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::kernel);
+  q.backend = GroupedGemmBackend::automatic;
+  q.tile = GroupedGemmTile::m128n128k32;  // a forced tile is the kernels
+  CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::kernel);
+  q.tile = GroupedGemmTile::automatic;
+
+  // Process-wide kernel: host offsets are ignored, the kernel's bits.
+  ops::cuda::set_grouped_gemm_backend(GroupedGemmBackend::kernel);
+  CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::kernel);
+  CHECK(same_bits(forward(off), y_kernel));
+  // Process-wide cublas without host offsets: fetched from the device, cuBLAS's bits.
+  ops::cuda::set_grouped_gemm_backend(GroupedGemmBackend::cublas);
+  q.host_offsets = nullptr;
+  CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::cublas);
+  q.backend = GroupedGemmBackend::kernel;  // explicit beats process-wide
+  CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::kernel);
+  CHECK(same_bits(forward({}), y_cublas));
+  ops::cuda::set_grouped_gemm_backend(GroupedGemmBackend::automatic);
+  CHECK(std::string(ops::cuda::grouped_gemm_backend_name(GroupedGemmBackend::cublas)) == "cublas");
+  CHECK(std::string(ops::cuda::grouped_gemm_backend_name(GroupedGemmBackend::kernel)) == "kernel");
+}
+
+TEST_CASE("grouped GEMM rejects bad host offsets", "[ops][moe][gemm][gpu]") {
+  // The CPU part needs no GPU: host offsets must equal the CPU offsets, and
+  // change nothing there.
+  {
+    const Device c = Device::cpu();
+    const std::vector<int32_t> off = {0, 3, 3, 8};
+    const Tensor offsets = Tensor::from_vector(off, {4}, c);
+    Tensor x = Tensor::empty({8, 5}, DType::f32, c), w = Tensor::empty({3, 4, 5}, DType::f32, c);
+    fill_normal(x, 41, 0, 0.f, 1.f);
+    fill_normal(w, 42, 0, 0.f, 1.f);
+    Tensor y1 = Tensor::empty({8, 4}, DType::f32, c), y2 = Tensor::empty({8, 4}, DType::f32, c);
+    ops::grouped_gemm_forward(x, w, offsets, y1);
+    ops::grouped_gemm_forward(x, w, offsets, y2, {}, off);
+    const auto v1 = y1.to_vector<float>(), v2 = y2.to_vector<float>();
+    CHECK(std::memcmp(v1.data(), v2.data(), v1.size() * sizeof(float)) == 0);
+    const std::vector<int32_t> other = {0, 2, 3, 8};
+    CHECK_THROWS_WITH(ops::grouped_gemm_forward(x, w, offsets, y2, {}, other),
+                      ContainsSubstring("host_offsets[1] = 2 differs from offsets[1] = 3"));
+  }
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  const std::vector<int32_t> off = {0, 3, 3, 8};
+  const Tensor offsets = Tensor::from_vector(off, {4}, d, s);
+  const Tensor x = random_on({8, 64}, DType::bf16, d, 43, s), w = random_on({3, 72, 64}, DType::bf16, d, 44, s),
+               dy = random_on({8, 72}, DType::bf16, d, 45, s);
+  Tensor y = Tensor::empty({8, 72}, DType::bf16, d, s), dx = Tensor::empty({8, 64}, DType::bf16, d, s);
+  Tensor dw = Tensor::zeros({3, 72, 64}, DType::f32, d, s);
+  const std::vector<int32_t> short_ = {0, 3, 8}, first = {1, 3, 3, 8}, decreasing = {0, 3, 2, 8}, last = {0, 3, 3, 7};
+  CHECK_THROWS_WITH(ops::grouped_gemm_forward(x, w, offsets, y, s, short_),
+                    ContainsSubstring("host_offsets must have experts + 1 = 4 entries, got 3"));
+  CHECK_THROWS_WITH(ops::grouped_gemm_forward(x, w, offsets, y, s, first),
+                    ContainsSubstring("host_offsets[0] = 1, expected 0"));
+  CHECK_THROWS_WITH(ops::grouped_gemm_backward_input(dy, w, offsets, dx, false, s, decreasing),
+                    ContainsSubstring("host_offsets must be non-decreasing"));
+  CHECK_THROWS_WITH(ops::grouped_gemm_backward_weight(dy, x, offsets, dw, s, last),
+                    ContainsSubstring("host_offsets[3] = 7, expected the row count 8"));
+  // The CUDA API checks them too.
+  ops::cuda::GroupedGemmParams p;
+  p.a = x.data_ptr(), p.b = w.data_ptr(), p.c = y.data_ptr(), p.offsets = offsets.data<int32_t>();
+  p.experts = 3, p.rows = 8, p.in_features = 64, p.out_features = 72;
+  p.host_offsets = decreasing.data();
+  DeviceGuard guard(d);
+  CHECK_THROWS_WITH(ops::cuda::grouped_gemm(p, s.handle()), ContainsSubstring("host offsets must be non-decreasing"));
+}
+
 TEST_CASE("grouped GEMM on the GPU allocates nothing in steady state", "[ops][moe][gemm][gpu]") {
   if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
   const Device d = Device::cuda(0);
@@ -264,13 +408,21 @@ TEST_CASE("grouped GEMM on the GPU allocates nothing in steady state", "[ops][mo
          dy = random_on({N, No}, DType::bf16, d, 23, s);
   Tensor y = Tensor::empty({N, No}, DType::bf16, d, s), dx = Tensor::empty({N, K}, DType::bf16, d, s);
   Tensor dw = Tensor::zeros({E, No, K}, DType::f32, d, s);
+  Tensor dx32 = Tensor::empty({N, K}, DType::f32, d, s);
+  // First calls of the cuBLAS backend create its handles and pointer ring.
   ops::grouped_gemm_forward(x, w, offsets, y, s);
+  ops::grouped_gemm_forward(x, w, offsets, y, s, off);
+  ops::grouped_gemm_backward_input(dy, w, offsets, dx32, false, s, off);
+  ops::grouped_gemm_backward_weight(dy, x, offsets, dw, s, off);
   s.synchronize();
   const int64_t allocations = memory_stats(d).allocations;
-  for (int i = 0; i < 5; ++i) {
-    ops::grouped_gemm_forward(x, w, offsets, y, s);
-    ops::grouped_gemm_backward_input(dy, w, offsets, dx, i % 2 == 1, s);
-    ops::grouped_gemm_backward_weight(dy, x, offsets, dw, s);
+  // More grouped calls than the ring has slots: slots are reused.
+  for (int i = 0; i < ops::cuda::kGroupedGemmPointerSlots + 5; ++i) {
+    const std::span<const int32_t> host = i % 2 == 0 ? std::span<const int32_t>() : std::span<const int32_t>(off);
+    ops::grouped_gemm_forward(x, w, offsets, y, s, host);
+    ops::grouped_gemm_backward_input(dy, w, offsets, dx, i % 3 == 1, s, host);
+    ops::grouped_gemm_backward_input(dy, w, offsets, dx32, i % 3 == 2, s, host);
+    ops::grouped_gemm_backward_weight(dy, x, offsets, dw, s, host);
   }
   s.synchronize();
   CHECK(memory_stats(d).allocations == allocations);

@@ -31,6 +31,17 @@
 // parallelism each rank's gate gradient covers its own tokens only (reduce it
 // over the data-parallel ranks as any replicated parameter).
 //
+// Group sizes on the host (CUDA only): the grouped GEMMs take the cuBLAS
+// backend when they get the group offsets on the host (ops/grouped_gemm.hpp).
+// With expert parallelism of degree > 1 dispatch already has them
+// (DispatchHandle::local_counts()): free. Otherwise (no expert parallelism, or
+// degree 1), when `host_group_sizes` is on (the default), forward copies the
+// layout's offsets [E_local + 1] to the host once and synchronises the stream
+// (after queueing the permute, so the GPU stays busy while the host waits);
+// with it off, the grouped GEMMs run the device-offset kernels and forward
+// never synchronises. backward reuses forward's host offsets (Context). The
+// CPU path is unchanged.
+//
 // Memory: forward keeps what backward needs in the Context, in buffers that
 // keep their capacity when the Context is reused (one Context per micro-batch
 // in flight), so a steady-state forward allocates only its output y.
@@ -39,8 +50,10 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "slime/nn/module.hpp"
 #include "slime/ops/elementwise.hpp"
@@ -72,10 +85,13 @@ struct SparseMoeBlock {
     Tensor y_rows;                      // [R, H] the experts' outputs
     ops::MoeLayout layout;              // without expert parallelism
     parallel::DispatchHandle dispatch;  // with expert parallelism
+    // Host copy of `offsets` for the grouped GEMMs (CUDA); empty when unknown.
+    std::vector<int32_t> host_offsets;
     // Capacity of the tensors above (see parallel::detail::rows_view).
     struct Buffers {
       Tensor logits, probs, indices, weights, x_rows, gate, up, h, y_rows;
       Tensor counts, offsets, row_to_copy, copy_to_row;
+      Tensor host_offsets;  // pinned [E_local + 1] (CUDA): the copy of `offsets`
     } buffers;
   };
 
@@ -83,6 +99,10 @@ struct SparseMoeBlock {
   MoeBlockConfig config;
   Parameter gate;                           // "<prefix>.gate.weight" [E, H]
   Parameter gate_proj, up_proj, down_proj;  // stacked experts, see the top of this file
+  // CUDA: copy the group sizes to the host (one stream synchronisation per
+  // forward where dispatch has not already) so the grouped GEMMs use cuBLAS;
+  // see the top of this file.
+  bool host_group_sizes = true;
 
   SparseMoeBlock() = default;
   // `prefix` is the HF module path, e.g. "model.layers.0.mlp". With `ep`
@@ -153,9 +173,20 @@ struct SparseMoeBlock {
     ctx.weights = rows_view(b.weights, T, k, dt, dev, stream);
     ops::router_forward(ctx.router_logits, config.norm_topk_prob, ctx.probs, ctx.indices, ctx.weights, stream);
 
+    ctx.host_offsets.clear();
+    bool fetch_offsets = false;  // copy ctx.offsets to the host below
     if (ep_ != nullptr) {
       ctx.x_rows = ep_->dispatch(x, ctx.indices, ctx.dispatch, stream);
       ctx.offsets = ctx.dispatch.local_offsets();
+      const std::vector<int64_t>& counts = ctx.dispatch.local_counts();  // empty at degree 1
+      if (dev.is_cuda() && !counts.empty()) {
+        ctx.host_offsets.assign(counts.size() + 1, 0);
+        for (std::size_t i = 0; i < counts.size(); ++i)
+          ctx.host_offsets[i + 1] = int32_t(ctx.host_offsets[i] + counts[i]);
+      } else if (dev.is_cuda() && host_group_sizes) {
+        fetch_offsets = true;
+        start_offsets_copy(ctx, stream);
+      }
     } else {
       ops::MoeLayout& l = ctx.layout;
       l.tokens = T;
@@ -166,20 +197,26 @@ struct SparseMoeBlock {
       l.row_to_copy = vec_view(b.row_to_copy, T * k, DType::i32, dev, stream);
       l.copy_to_row = vec_view(b.copy_to_row, T * k, DType::i32, dev, stream);
       ops::moe_build_layout(ctx.indices, l, stream);
+      ctx.offsets = l.offsets;
+      if (dev.is_cuda() && host_group_sizes) {
+        fetch_offsets = true;
+        start_offsets_copy(ctx, stream);
+      }
       ctx.x_rows = rows_view(b.x_rows, T * k, H, dt, dev, stream);
       ops::moe_permute_forward(x, l, ctx.x_rows, stream);
-      ctx.offsets = l.offsets;
     }
+    if (fetch_offsets) finish_offsets_copy(ctx, stream);
+    const std::span<const int32_t> host = ctx.host_offsets;
 
     const int64_t R = ctx.x_rows.size(0);
     ctx.gate = rows_view(b.gate, R, I, dt, dev, stream);
     ctx.up = rows_view(b.up, R, I, dt, dev, stream);
     ctx.h = rows_view(b.h, R, I, dt, dev, stream);
     ctx.y_rows = rows_view(b.y_rows, R, H, dt, dev, stream);
-    ops::grouped_gemm_forward(ctx.x_rows, gate_proj.value, ctx.offsets, ctx.gate, stream);
-    ops::grouped_gemm_forward(ctx.x_rows, up_proj.value, ctx.offsets, ctx.up, stream);
+    ops::grouped_gemm_forward(ctx.x_rows, gate_proj.value, ctx.offsets, ctx.gate, stream, host);
+    ops::grouped_gemm_forward(ctx.x_rows, up_proj.value, ctx.offsets, ctx.up, stream, host);
     ops::swiglu_forward(ctx.gate, ctx.up, ctx.h, stream);
-    ops::grouped_gemm_forward(ctx.h, down_proj.value, ctx.offsets, ctx.y_rows, stream);
+    ops::grouped_gemm_forward(ctx.h, down_proj.value, ctx.offsets, ctx.y_rows, stream, host);
 
     Tensor y = Tensor::empty({T, H}, dt, dev, stream);
     if (ep_ != nullptr) {
@@ -246,20 +283,42 @@ struct SparseMoeBlock {
   }
 
  private:
+  // The stream the ops run on: `stream`, or the device's default one.
+  Stream effective_stream(const Stream& stream) const {
+    return stream.device() == options.device ? stream : Stream::default_for(options.device);
+  }
+
+  // Queues the copy of ctx.offsets into the pinned buffer (CUDA).
+  void start_offsets_copy(Context& ctx, const Stream& stream) {
+    Tensor& pinned = ctx.buffers.host_offsets;
+    if (!pinned.defined() || pinned.shape() != ctx.offsets.shape())
+      pinned = Tensor::empty_pinned(ctx.offsets.shape(), DType::i32);
+    pinned.copy_from(ctx.offsets, effective_stream(stream));
+  }
+
+  // Waits for it (the one stream synchronisation) and keeps the host offsets.
+  void finish_offsets_copy(Context& ctx, const Stream& stream) {
+    effective_stream(stream).synchronize();
+    const Tensor& pinned = ctx.buffers.host_offsets;
+    const int32_t* o = pinned.data<int32_t>();
+    ctx.host_offsets.assign(o, o + pinned.numel());
+  }
+
   // d x_rows [R, H] from d y_rows; the expert weights' gradients accumulate.
   Tensor experts_backward(const Context& ctx, const Tensor& dy_rows, const Stream& stream) {
     const Device dev = options.device;
     const DType dt = options.dtype;
+    const std::span<const int32_t> host = ctx.host_offsets;
     Tensor dh = Tensor::empty(ctx.h.shape(), dt, dev, stream);
-    ops::grouped_gemm_backward_input(dy_rows, down_proj.value, ctx.offsets, dh, /*accumulate=*/false, stream);
-    ops::grouped_gemm_backward_weight(dy_rows, ctx.h, ctx.offsets, down_proj.ensure_grad(stream), stream);
+    ops::grouped_gemm_backward_input(dy_rows, down_proj.value, ctx.offsets, dh, /*accumulate=*/false, stream, host);
+    ops::grouped_gemm_backward_weight(dy_rows, ctx.h, ctx.offsets, down_proj.ensure_grad(stream), stream, host);
     Tensor dgate = Tensor::empty(ctx.gate.shape(), dt, dev, stream);
     ops::swiglu_backward(ctx.gate, ctx.up, dh, dgate, dh, stream);  // dup overwrites dh (in place)
     Tensor dx_rows = Tensor::empty(ctx.x_rows.shape(), dt, dev, stream);
-    ops::grouped_gemm_backward_input(dgate, gate_proj.value, ctx.offsets, dx_rows, /*accumulate=*/false, stream);
-    ops::grouped_gemm_backward_input(dh, up_proj.value, ctx.offsets, dx_rows, /*accumulate=*/true, stream);
-    ops::grouped_gemm_backward_weight(dgate, ctx.x_rows, ctx.offsets, gate_proj.ensure_grad(stream), stream);
-    ops::grouped_gemm_backward_weight(dh, ctx.x_rows, ctx.offsets, up_proj.ensure_grad(stream), stream);
+    ops::grouped_gemm_backward_input(dgate, gate_proj.value, ctx.offsets, dx_rows, /*accumulate=*/false, stream, host);
+    ops::grouped_gemm_backward_input(dh, up_proj.value, ctx.offsets, dx_rows, /*accumulate=*/true, stream, host);
+    ops::grouped_gemm_backward_weight(dgate, ctx.x_rows, ctx.offsets, gate_proj.ensure_grad(stream), stream, host);
+    ops::grouped_gemm_backward_weight(dh, ctx.x_rows, ctx.offsets, up_proj.ensure_grad(stream), stream, host);
     return dx_rows;
   }
 

@@ -21,9 +21,22 @@
 // kernels check them where it is free and trap on a broken invariant. CUDA
 // runs bf16 inputs with K and Nout multiples of 8 (and 16-byte aligned data)
 // on tensor cores, anything else on a slower fallback kernel.
+//
+// Host offsets: every function takes an optional `host_offsets`, a host copy
+// of `offsets` (i32, E + 1 entries) for callers that know the group sizes on
+// the host (e.g. after expert-parallel dispatch). It is validated on the host
+// (offsets[0] = 0, non-decreasing, offsets[E] = rows; on the CPU also equal to
+// `offsets`); on CUDA it must equal the device offsets (not checked: that would
+// need a synchronisation) and selects the cuBLAS backend
+// (cublasGemmGroupedBatchedEx, see slime/ops/cuda/grouped_gemm.hpp), which is
+// not bitwise equal to the kernels. Without it CUDA runs the kernels over the
+// device offsets. cuda::set_grouped_gemm_backend or the environment variable
+// SLIME_GROUPED_GEMM_BACKEND=kernel|cublas force either backend (benchmarks).
+// The CPU path is the same with or without it.
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -53,7 +66,8 @@ inline void run_cuda([[maybe_unused]] cuda_pass_tag pass, [[maybe_unused]] const
                      [[maybe_unused]] const Tensor& offsets, [[maybe_unused]] int64_t experts,
                      [[maybe_unused]] int64_t rows, [[maybe_unused]] int64_t out_features,
                      [[maybe_unused]] int64_t in_features, [[maybe_unused]] bool accumulate,
-                     [[maybe_unused]] const Stream& stream, [[maybe_unused]] std::string_view op) {
+                     [[maybe_unused]] std::span<const int32_t> host_offsets, [[maybe_unused]] const Stream& stream,
+                     [[maybe_unused]] std::string_view op) {
 #if SLIME_HAS_CUDA
   cuda::GroupedGemmParams p;
   p.pass = pass;
@@ -68,6 +82,7 @@ inline void run_cuda([[maybe_unused]] cuda_pass_tag pass, [[maybe_unused]] const
   p.out_features = out_features;
   p.in_features = in_features;
   p.accumulate = accumulate;
+  p.host_offsets = host_offsets.empty() ? nullptr : host_offsets.data();
   const Device d = c.device();
   DeviceGuard guard(d);
   cuda::grouped_gemm(p, (stream.device() == d ? stream : Stream::default_for(d)).handle());
@@ -107,6 +122,26 @@ inline void check_offsets(const Tensor& offsets, int64_t experts, int64_t rows, 
   SLIME_CHECK(o[experts] == rows, op, ": offsets[", experts, "] = ", o[experts], ", expected the row count ", rows);
 }
 
+// host_offsets: empty (not given) or E + 1 entries, 0 = o[0] <= ... <= o[E] =
+// rows; equal to `offsets` when those are on the CPU.
+inline void check_host_offsets(std::span<const int32_t> host_offsets, const Tensor& offsets, int64_t experts,
+                               int64_t rows, std::string_view op) {
+  if (host_offsets.empty()) return;
+  SLIME_CHECK(int64_t(host_offsets.size()) == experts + 1, op, ": host_offsets must have experts + 1 = ", experts + 1,
+              " entries, got ", host_offsets.size());
+  const int32_t* o = host_offsets.data();
+  SLIME_CHECK(o[0] == 0, op, ": host_offsets[0] = ", o[0], ", expected 0");
+  for (int64_t e = 0; e < experts; ++e)
+    SLIME_CHECK(o[e + 1] >= o[e], op, ": host_offsets must be non-decreasing, got host_offsets[", e, "] = ", o[e],
+                " > host_offsets[", e + 1, "] = ", o[e + 1]);
+  SLIME_CHECK(o[experts] == rows, op, ": host_offsets[", experts, "] = ", o[experts], ", expected the row count ",
+              rows);
+  if (offsets.device().is_cuda()) return;
+  const int32_t* d = offsets.data<int32_t>();
+  for (int64_t e = 0; e <= experts; ++e)
+    SLIME_CHECK(o[e] == d[e], op, ": host_offsets[", e, "] = ", o[e], " differs from offsets[", e, "] = ", d[e]);
+}
+
 // t [rows, features] of dtype `dt` on w's device.
 inline void check_act(const Tensor& t, std::string_view name, int64_t rows, int64_t features, DType dt, const Tensor& w,
                       std::string_view op) {
@@ -137,7 +172,7 @@ void visit(DType in, DType out, std::string_view op, F&& f) {
 
 // y [N, Nout] = per group x_g [n_e, K] · w[e]ᵀ.
 inline void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, const Tensor& y,
-                                 const Stream& stream = {}) {
+                                 const Stream& stream = {}, std::span<const int32_t> host_offsets = {}) {
   constexpr std::string_view op = "grouped_gemm_forward";
   namespace g = detail::grouped_gemm;
   g::check_weight(w, "w", op);
@@ -150,9 +185,10 @@ inline void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor&
   check_same_device(y, w, "grouped_gemm_forward: y", "w");
   SLIME_CHECK(!g::overlap(y, x) && !g::overlap(y, w), op, ": y overlaps x or w");
   g::check_offsets(offsets, experts, rows, w, op);
+  g::check_host_offsets(host_offsets, offsets, experts, rows, op);
   if (w.device().is_cuda()) {
     g::visit(w.dtype(), y.dtype(), op, [](auto, auto) {});
-    return g::run_cuda(g::kForward, x, w, y, offsets, experts, rows, out_f, in_f, false, stream, op);
+    return g::run_cuda(g::kForward, x, w, y, offsets, experts, rows, out_f, in_f, false, host_offsets, stream, op);
   }
   g::visit(w.dtype(), y.dtype(), op, [&](auto in_tag, auto out_tag) {
     using T = decltype(in_tag);
@@ -163,7 +199,8 @@ inline void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor&
 
 // dx [N, K] = per group dy_g [n_e, Nout] · w[e] (dx += with accumulate).
 inline void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets, const Tensor& dx,
-                                        bool accumulate = false, const Stream& stream = {}) {
+                                        bool accumulate = false, const Stream& stream = {},
+                                        std::span<const int32_t> host_offsets = {}) {
   constexpr std::string_view op = "grouped_gemm_backward_input";
   namespace g = detail::grouped_gemm;
   g::check_weight(w, "w", op);
@@ -176,9 +213,11 @@ inline void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const
   check_same_device(dx, w, "grouped_gemm_backward_input: dx", "w");
   SLIME_CHECK(!g::overlap(dx, dy) && !g::overlap(dx, w), op, ": dx overlaps dy or w");
   g::check_offsets(offsets, experts, rows, w, op);
+  g::check_host_offsets(host_offsets, offsets, experts, rows, op);
   if (w.device().is_cuda()) {
     g::visit(w.dtype(), dx.dtype(), op, [](auto, auto) {});
-    return g::run_cuda(g::kBackwardInput, dy, w, dx, offsets, experts, rows, out_f, in_f, accumulate, stream, op);
+    return g::run_cuda(g::kBackwardInput, dy, w, dx, offsets, experts, rows, out_f, in_f, accumulate, host_offsets,
+                       stream, op);
   }
   g::visit(w.dtype(), dx.dtype(), op, [&](auto in_tag, auto out_tag) {
     using T = decltype(in_tag);
@@ -191,7 +230,7 @@ inline void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const
 // dw [E, Nout, K] f32 += per group dy_gᵀ · x_g (always accumulates; zero it
 // before the first micro-batch). Experts with no rows are left as they are.
 inline void grouped_gemm_backward_weight(const Tensor& dy, const Tensor& x, const Tensor& offsets, const Tensor& dw,
-                                         const Stream& stream = {}) {
+                                         const Stream& stream = {}, std::span<const int32_t> host_offsets = {}) {
   constexpr std::string_view op = "grouped_gemm_backward_weight";
   namespace g = detail::grouped_gemm;
   g::check_weight(dw, "dw", op);
@@ -205,8 +244,10 @@ inline void grouped_gemm_backward_weight(const Tensor& dy, const Tensor& x, cons
   g::check_act(dy, "dy", rows, out_f, x.dtype(), dw, op);
   SLIME_CHECK(!g::overlap(dw, dy) && !g::overlap(dw, x), op, ": dw overlaps dy or x");
   g::check_offsets(offsets, experts, rows, dw, op);
+  g::check_host_offsets(host_offsets, offsets, experts, rows, op);
   if (dw.device().is_cuda())
-    return g::run_cuda(g::kBackwardWeight, dy, x, dw, offsets, experts, rows, out_f, in_f, true, stream, op);
+    return g::run_cuda(g::kBackwardWeight, dy, x, dw, offsets, experts, rows, out_f, in_f, true, host_offsets, stream,
+                       op);
   g::visit(x.dtype(), x.dtype(), op, [&](auto in_tag, auto) {
     using T = decltype(in_tag);
     cpu::grouped_gemm_backward_weight(dy.data<T>(), x.data<T>(), offsets.data<int32_t>(), experts, out_f, in_f,

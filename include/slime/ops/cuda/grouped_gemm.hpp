@@ -24,6 +24,32 @@
 // device where it is free (offsets[0] = 0, non-decreasing, offsets[E] = rows);
 // a broken invariant prints and traps (the context is lost).
 // Limits: rows, features and experts fit in int32 (offsets are i32).
+//
+// cuBLAS backend (src/ops/grouped_gemm_cublas.cpp), for when the group sizes
+// are known on the host (GroupedGemmParams::host_offsets, a host copy of the
+// device offsets, which the caller promises are equal; the device offsets are
+// then not read). Experts with no rows are skipped; experts with the same row
+// count share one cuBLAS group (problems of one shape), so uniform routing is
+// one group. Per pass:
+//   forward, backward_input with c of the input dtype (bf16 -> bf16, f32 ->
+//     f32): one cublasGemmGroupedBatchedEx (CUBLAS_COMPUTE_32F, no TF32;
+//     beta 1 for accumulate). Its A/B/C pointer arrays live in device memory:
+//     a ring of kGroupedGemmPointerSlots slots per (thread, device), each
+//     filled by one cudaMemcpyAsync from a pinned staging slot, reused once an
+//     event recorded after its GEMM has completed (the host blocks only when
+//     it runs that many grouped calls ahead of the GPU). The ring grows (all
+//     slots at once, after waiting for them) when a call has more experts than
+//     it holds; steady state allocates nothing.
+//   forward, backward_input with bf16 inputs and an f32 c, and backward_weight
+//     (f32 dw, beta 1): cublasGemmGroupedBatchedEx has no bf16 -> f32 type
+//     combination, so one cublasGemmEx per expert with rows (ops::cuda::gemm
+//     of slime/ops/cuda/linear.hpp). The grouped call also falls back to
+//     this loop if cuBLAS reports CUBLAS_STATUS_NOT_SUPPORTED.
+// Numerics: fp32 sums with reduced-precision split-K reductions disallowed,
+// rounded once into c; deterministic run to run (cuBLAS's guarantee for one
+// GPU model, stream and workspace), not bitwise equal to the kernels.
+// Handles: the grouped call uses its own cuBLAS handle per (thread, device)
+// with a kCublasWorkspaceBytes workspace; the per-expert loop uses Linear's.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +75,13 @@ enum class GroupedGemmTile : int {
 inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::m128n128k32, GroupedGemmTile::m128n256k64,
                                                         GroupedGemmTile::m128n128k64};
 
+// Which implementation runs (see the top of this file). `automatic`: the
+// cuBLAS backend when host offsets are given, else the kernels.
+enum class GroupedGemmBackend : int { automatic = 0, kernel = 1, cublas = 2 };
+
+// Pointer slots per (thread, device) of the cuBLAS backend's ring.
+inline constexpr int kGroupedGemmPointerSlots = 64;
+
 struct GroupedGemmParams {
   GroupedGemmPass pass = GroupedGemmPass::forward;
   const void* a = nullptr;           // see the table above
@@ -60,12 +93,39 @@ struct GroupedGemmParams {
   int64_t experts = 0, rows = 0, out_features = 0, in_features = 0;
   bool accumulate = false;  // backward_input: dx += (backward_weight always adds)
   GroupedGemmTile tile = GroupedGemmTile::automatic;
+  // Host copy of `offsets` ([experts + 1], equal to it), or null. Validated on
+  // the host (offsets[0] = 0, non-decreasing, offsets[experts] = rows).
+  const int32_t* host_offsets = nullptr;
+  // Forces a backend for this call (over set_grouped_gemm_backend and the
+  // environment). A forced tile always runs the kernels.
+  GroupedGemmBackend backend = GroupedGemmBackend::automatic;
 };
 
-// Runs on `stream` of the current device. Throws slime::Error for unsupported
-// dtypes, sizes past int32, or a tensor-core tile forced on inputs that need
-// the fallback.
+// Runs on `stream` of the current device, on the backend that
+// grouped_gemm_backend_for(p) names. Throws slime::Error for unsupported
+// dtypes, sizes past int32, a tensor-core tile forced on inputs that need the
+// fallback, invalid host offsets, or a cuBLAS failure.
 void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream);
+
+// The process-wide backend choice for calls whose p.backend is automatic
+// (benchmarking knob). Initially read from the environment variable
+// SLIME_GROUPED_GEMM_BACKEND ("kernel", "cublas"; unset, empty or "auto" =
+// automatic; anything else throws on first use); set_grouped_gemm_backend
+// replaces it (automatic restores the default rule, not the environment).
+// Forcing cublas on a call without host offsets copies the device offsets to
+// the host and synchronises `stream` (for benchmarks, not training).
+void set_grouped_gemm_backend(GroupedGemmBackend b);
+GroupedGemmBackend grouped_gemm_backend();
+
+// The backend grouped_gemm(p) runs: kernel or cublas (never automatic).
+GroupedGemmBackend grouped_gemm_backend_for(const GroupedGemmParams& p);
+
+// How many cuBLAS-backend calls cublasGemmGroupedBatchedEx refused with
+// CUBLAS_STATUS_NOT_SUPPORTED (they ran the per-expert loop), process-wide.
+int64_t grouped_gemm_cublas_fallbacks();
+
+// "automatic", "kernel", "cublas".
+const char* grouped_gemm_backend_name(GroupedGemmBackend b);
 
 // The kernel grouped_gemm(p) runs: p.tile when forced, else the dispatcher's
 // choice by pass and shape (simple when the inputs need the fallback).
