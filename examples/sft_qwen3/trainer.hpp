@@ -1,0 +1,321 @@
+// trainer.hpp (sft_qwen3 example): one rank's SFT loop. Every rank runs
+// train_rank with its communicator; the ranks agree on everything without
+// talking (the same data order, the same packing plan) except where a step
+// needs a collective: the global token count, the FSDP all-gathers and
+// reduce-scatters inside Sharded, the gradient norm, the step's loss for the
+// log, checkpoints and the export.
+//
+// A step:
+//   1. draw sequences until the step holds --global-batch-tokens (the same on
+//      every rank: a seeded, resumable epoch order);
+//   2. data::plan splits them over the ranks (balanced tokens) and into
+//      micro-batches of at most --max-tokens-per-rank tokens;
+//   3. one all_reduce sums the ranks' target tokens: every rank's loss is
+//      -sum(log p) / global tokens, so the gradients reduce by a plain sum to
+//      the gradient of the mean next-token loss of the whole step;
+//   4. per micro-batch: Sharded forward, fused LM head, backward (gradients
+//      accumulate; the last micro-batch reduce-scatters them);
+//   5. AdamW on the local shards at the schedule's learning rate (with global
+//      grad-norm clipping), then metrics and, every N steps, a checkpoint.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/core.h>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint.hpp"
+#include "slime/comm/comm.hpp"
+#include "slime/core/device.hpp"
+#include "slime/data/packer.hpp"
+#include "slime/data/shuffle.hpp"
+#include "slime/io/metrics_log.hpp"
+#include "slime/io/progress.hpp"
+#include "slime/nn/checkpoint.hpp"
+#include "slime/nn/packed_batch.hpp"
+#include "slime/nn/qwen3.hpp"
+#include "slime/optim/lr_schedule.hpp"
+#include "slime/parallel/sharded.hpp"
+#include "token_data.hpp"
+
+namespace sft {
+
+namespace comm = slime::comm;
+namespace io = slime::io;
+namespace nn = slime::nn;
+namespace optim = slime::optim;
+namespace parallel = slime::parallel;
+using slime::Device;
+using slime::DType;
+using slime::Tensor;
+
+// What the command line sets (main.cpp documents each option).
+struct TrainOptions {
+  std::string model;  // HF directory; empty: the built-in tiny Qwen3
+  int64_t steps = 100;
+  double lr = 3e-3;
+  std::string schedule = "cosine";  // constant | warmup | cosine
+  int64_t warmup = 10;
+  double min_lr = 0;
+  double weight_decay = 0.01;
+  double max_grad_norm = 1.0;  // 0: no clipping
+  int64_t max_tokens_per_rank = 1024;
+  int64_t global_batch_tokens = 2048;
+  std::string strategy = "full";  // full | grad_op | no_shard
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;  // 0: only at the end (when --checkpoint-dir is set)
+  int keep_checkpoints = 2;
+  bool resume = false;
+  std::string export_hf;
+  std::string metrics;      // JSONL path
+  std::string tensorboard;  // event-file directory
+  uint64_t seed = 0;
+  // Set by the program: end the run after this step without the final
+  // checkpoint and export, as a preempted job would (--verify-resume).
+  int64_t stop_after = 0;
+  bool quiet = false;  // no banner and no progress line
+};
+
+// The losses rank 0 saw, for --verify-resume and the end-of-run summary.
+struct RunResult {
+  std::vector<std::pair<int64_t, double>> losses;  // (step, loss)
+  int64_t first_step = 1;                          // 1, or the step after the checkpoint resumed from
+};
+
+// A small Qwen3 (dense) that trains on a CPU in seconds per step and runs the
+// CUDA kernels too (bf16, head_dim 64).
+inline nn::Qwen3Config tiny_qwen3_config(int64_t vocab_size) {
+  nn::Qwen3Config c;
+  c.vocab_size = vocab_size;
+  c.hidden_size = 128;
+  c.intermediate_size = 256;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 2;
+  c.num_key_value_heads = 1;
+  c.head_dim = 64;
+  c.max_position_embeddings = 4096;
+  c.rope_theta = 10000.0;
+  c.tie_word_embeddings = false;
+  return c;
+}
+
+namespace detail {
+
+inline double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+inline optim::LrSchedule make_schedule(const TrainOptions& o) {
+  if (o.schedule == "constant") return optim::LrSchedule::constant(o.lr);
+  if (o.schedule == "warmup") return optim::LrSchedule::linear_warmup(o.lr, o.warmup);
+  return optim::LrSchedule::cosine(o.lr, o.warmup, o.steps, o.min_lr);
+}
+
+// The model on this rank's device: bf16 on a GPU, f32 on the CPU. Every rank
+// builds the same full model (same seed or same files); Sharded then keeps
+// only the rank's shard.
+inline nn::Qwen3Model build_model(const TrainOptions& o, const nn::Qwen3Config& config, Device device) {
+  const DType dtype = device.is_cuda() ? DType::bf16 : DType::f32;
+  if (!o.model.empty()) return nn::load_hf(o.model, device, dtype);
+  nn::Qwen3Model model(config, {device, dtype});
+  model.init_random(o.seed);
+  return model;
+}
+
+// The sum of one integer over the ranks (all_reduce on the comm's device).
+inline int64_t all_reduce_sum(comm::Comm& comm, int64_t value) {
+  Tensor t = Tensor::from_vector(std::vector<int64_t>{value}, slime::Shape{1}, comm.device());
+  comm.all_reduce(t);
+  return t.to_vector<int64_t>()[0];
+}
+inline double all_reduce_sum(comm::Comm& comm, double value) {
+  Tensor t = Tensor::from_vector(std::vector<float>{float(value)}, slime::Shape{1}, comm.device());
+  comm.all_reduce(t);
+  return double(t.to_vector<float>()[0]);
+}
+
+// One packed micro-batch: forward, the fused LM head, backward of
+// -sum_t log p(target_t) / normalizer. Returns this micro-batch's share of
+// the step's loss.
+template <class ShardedModel>
+double train_micro_batch(ShardedModel& sh, const TokenDataset& data, const std::vector<Sequence>& step_sequences,
+                         const slime::data::MicroBatchPlan& mb, double normalizer) {
+  const Device device = sh.device();
+  if (mb.samples.empty()) {
+    // A rank with fewer sequences than the agreed micro-batch count still runs
+    // every micro-batch (its collectives must match its peers'): one token
+    // with a zero gradient.
+    nn::PackedBatch batch = nn::make_packed_batch({{0}}, device);
+    const Tensor targets = Tensor::from_vector(std::vector<int32_t>{0}, {1}, device);
+    typename ShardedModel::Context ctx;
+    const Tensor hidden = sh.forward(batch, ctx);
+    const slime::ops::TokenLogprobs lp = sh.token_logprobs(hidden, targets);
+    const Tensor zero = Tensor::zeros({1}, DType::f32, device);
+    sh.backward(ctx, sh.token_logprobs_backward(hidden, targets, 1.f, lp, zero, Tensor{}));
+    return 0;
+  }
+  std::vector<std::vector<int32_t>> inputs(mb.samples.size());
+  std::vector<int32_t> targets, seq_targets;
+  for (std::size_t i = 0; i < mb.samples.size(); ++i) {
+    data.inputs_and_targets(step_sequences[std::size_t(mb.samples[i])], inputs[i], seq_targets);
+    targets.insert(targets.end(), seq_targets.begin(), seq_targets.end());
+  }
+  const nn::PackedBatch batch = nn::make_packed_batch(inputs, device);
+  const Tensor target_tensor = Tensor::from_vector(targets, {int64_t(targets.size())}, device);
+  return sh.loss_and_backward(batch, target_tensor, 1.f, normalizer).loss;
+}
+
+// The training loop of one rank with a fixed strategy (see the top of the file).
+template <class Strategy>
+RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenDataset& data,
+                        const nn::Qwen3Config& config) {
+  const Device device = comm.device();
+  const slime::DeviceGuard guard(device);  // work queued without naming a device lands on the rank's GPU
+  const bool lead = comm.rank() == 0;
+  optim::AdamWConfig adamw;
+  adamw.weight_decay = o.weight_decay;
+  parallel::Sharded<nn::Qwen3Model, Strategy> sh(build_model(o, config, device), comm, {}, adamw);
+  const optim::LrSchedule schedule = make_schedule(o);
+  // The data order: a fresh shuffle of every sequence each epoch, the same
+  // on every rank (seeded), resumable from a saved DataPosition.
+  slime::data::EpochSampler sampler(data.size(), o.seed);
+  int64_t step = 0, tokens_seen = 0;
+  RunResult result;
+
+  if (o.resume) {
+    const nlohmann::json meta = load_checkpoint(sh, o.checkpoint_dir);
+    step = meta.at("step").get<int64_t>();
+    require(meta.value("sequences", int64_t(-1)) == data.size(), "--resume: the checkpoint in '", o.checkpoint_dir,
+            "' was trained on data of ", meta.value("sequences", int64_t(-1)), " sequences, but --data now gives ",
+            data.size(), " (same --data and --max-tokens-per-rank needed)");
+    sampler.seek(meta.at("data").get<slime::data::DataPosition>());
+    tokens_seen = meta.value("tokens_seen", int64_t(0));
+    result.first_step = step + 1;
+    require(step < o.steps, "--resume: the checkpoint is at step ", step, ", not before --steps ", o.steps,
+            "; nothing to train");
+  }
+
+  slime::data::PackConfig pack;
+  pack.dp_size = comm.size();
+  pack.max_tokens_per_gpu = o.max_tokens_per_rank;
+
+  // Console and metrics on rank 0 only.
+  std::unique_ptr<io::MetricsLog> metrics;
+  std::unique_ptr<io::Progress> progress;
+  if (lead) {
+    io::MetricsLogOptions mo;
+    if (o.resume) mo.resume_step = step + 1;  // drop lines the interrupted run wrote after its checkpoint
+    if (!o.tensorboard.empty()) mo.tensorboard_dir = o.tensorboard;
+    const std::string path = !o.metrics.empty()       ? o.metrics
+                             : !o.tensorboard.empty() ? o.tensorboard + "/metrics.jsonl"
+                                                      : std::string();
+    if (!path.empty()) metrics = std::make_unique<io::MetricsLog>(path, mo);
+    if (!o.quiet) {
+      const std::size_t params = sh.parameter_names().size();
+      int64_t numel = 0;
+      for (std::size_t u = 0; u < sh.num_units(); ++u)
+        for (const auto& e : sh.unit_layout(u).entries()) numel += e.numel;
+      fmt::print("model: {} ({} tensors, {:.2f}M parameters) on {} ranks ({}, {}), strategy {}\n",
+                 o.model.empty() ? "built-in tiny Qwen3" : o.model, params, double(numel) / 1e6, comm.size(),
+                 device.is_cuda() ? "cuda" : "cpu", slime::dtype_name(sh.compute_dtype()), o.strategy);
+      fmt::print("data: {} sequences, {} tokens | step: >= {} tokens, <= {} per micro-batch | lr {} ({})\n",
+                 data.size(), data.total_tokens(), o.global_batch_tokens, o.max_tokens_per_rank, o.lr, o.schedule);
+      if (o.resume) fmt::print("resumed from '{}' at step {}\n", o.checkpoint_dir, step);
+      io::ProgressOptions po;
+      po.total_steps = o.steps;
+      po.print_every = std::max<int64_t>(1, o.steps / 10);
+      progress = std::make_unique<io::Progress>(std::cout, po, step);
+    }
+  }
+
+  const int64_t last = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
+  while (step < last) {
+    ++step;
+    const double start = now_seconds();
+
+    // 1-2. The step's sequences and this rank's share, packed.
+    const std::vector<Sequence> sequences = next_global_batch(sampler, data, o.global_batch_tokens, comm.size());
+    std::vector<int64_t> lengths;
+    for (const Sequence& s : sequences) lengths.push_back(s.length);
+    const slime::data::PackPlan plan = slime::data::plan(pack, lengths);
+    const slime::data::RankPlan& mine = plan.steps[0].ranks[std::size_t(comm.rank())];
+
+    // 3. The loss normaliser: every target token of the step, over all ranks.
+    // (Each rank could read it off the plan; the all_reduce keeps the loop
+    // right when ranks read disjoint data and plan only their own.)
+    const int64_t step_tokens = all_reduce_sum(comm, mine.tokens);
+
+    // 4. Forward and backward of each micro-batch.
+    sh.zero_grad();
+    sh.set_micro_batches(int(mine.micro_batches.size()));
+    double rank_loss = 0;
+    for (const slime::data::MicroBatchPlan& mb : mine.micro_batches)
+      rank_loss += train_micro_batch(sh, data, sequences, mb, double(step_tokens));
+
+    // 5. The update: clip to --max-grad-norm (the norm over all shards) and AdamW.
+    const double lr = schedule.lr(step);
+    double grad_norm = 0;
+    if (o.max_grad_norm > 0) {
+      grad_norm = *sh.optimizer_step(lr, o.max_grad_norm);
+    } else {
+      grad_norm = sh.grad_norm();
+      sh.optimizer_step(lr);
+    }
+    const double loss = all_reduce_sum(comm, rank_loss);
+    tokens_seen += step_tokens;
+    const double seconds = now_seconds() - start;
+
+    if (lead) {
+      result.losses.emplace_back(step, loss);
+      const double tokens_per_s = double(step_tokens) / std::max(seconds, 1e-9);
+      if (metrics)
+        metrics->log(step, {{"loss", loss},
+                            {"lr", lr},
+                            {"grad_norm", grad_norm},
+                            {"tokens_per_s", tokens_per_s},
+                            {"step_seconds", seconds},
+                            {"tokens", double(step_tokens)},
+                            {"micro_batches", double(mine.micro_batches.size())},
+                            {"epoch", double(sampler.position().epoch)}});
+      if (progress) progress->update(step, {{"loss", loss}, {"lr", lr}, {"gnorm", grad_norm}, {"tok/s", tokens_per_s}});
+    }
+
+    const bool end_of_run = step == o.steps;
+    if (!o.checkpoint_dir.empty() && ((o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || end_of_run)) {
+      const nlohmann::json meta = {
+          {"data", sampler.position()}, {"sequences", data.size()}, {"tokens_seen", tokens_seen}, {"seed", o.seed}};
+      save_checkpoint(sh, comm, o.checkpoint_dir, step, meta, o.keep_checkpoints);
+      if (progress) progress->message(fmt::format("checkpoint: step {} saved to '{}'", step, o.checkpoint_dir));
+    }
+  }
+  if (progress) progress->finish();
+
+  if (!o.export_hf.empty() && step == o.steps) {
+    export_hf(sh, comm, o.export_hf, sh.module().config());
+    if (lead && !o.quiet) fmt::print("exported the model to '{}' (Hugging Face format, fp32)\n", o.export_hf);
+  }
+  return result;
+}
+
+}  // namespace detail
+
+// One rank's run with the strategy --strategy names.
+inline RunResult train_rank(comm::Comm& comm, const TrainOptions& o, const TokenDataset& data,
+                            const nn::Qwen3Config& config) {
+  if (o.strategy == "full") return detail::train_rank_as<parallel::FullShard>(comm, o, data, config);
+  if (o.strategy == "grad_op") return detail::train_rank_as<parallel::ShardGradOp>(comm, o, data, config);
+  if (o.strategy == "no_shard") return detail::train_rank_as<parallel::NoShard>(comm, o, data, config);
+  throw slime::Error("--strategy must be full, grad_op or no_shard, got '" + o.strategy + "'");
+}
+
+}  // namespace sft
