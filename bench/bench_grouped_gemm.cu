@@ -275,6 +275,15 @@ int main(int argc, char** argv) {
           base + "/cublas",
           [s, op](benchmark::State& st) { run_grouped_gemm(st, s, op, GroupedGemmTile::automatic, true); },
           benchmark::kMicrosecond, kIterations, kRepetitions);
+      if (op != Op::wgrad)  // wgrad (f32 dw) always runs the per-expert loop
+        slime::bench::register_manual(
+            base + "/cublas_loop",
+            [s, op](benchmark::State& st) {
+              slime::ops::cuda::set_grouped_gemm_cublas_grouped_api(false);
+              run_grouped_gemm(st, s, op, GroupedGemmTile::automatic, true);
+              slime::ops::cuda::set_grouped_gemm_cublas_grouped_api(true);
+            },
+            benchmark::kMicrosecond, kIterations, kRepetitions);
       for (GroupedGemmTile tile : slime::ops::cuda::kGroupedGemmTiles)
         slime::bench::register_manual(
             base + "/" + slime::ops::cuda::grouped_gemm_tile_name(tile),

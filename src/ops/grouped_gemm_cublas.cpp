@@ -333,6 +333,13 @@ void check_grouped_gemm_host_offsets(const int32_t* o, int64_t experts, int64_t 
               ", expected the row count ", rows);
 }
 
+namespace {
+std::atomic<bool> g_grouped_api{true};
+}  // namespace
+
+void set_grouped_gemm_cublas_grouped_api(bool on) { g_grouped_api.store(on, std::memory_order_relaxed); }
+bool grouped_gemm_cublas_grouped_api() { return g_grouped_api.load(std::memory_order_relaxed); }
+
 void set_grouped_gemm_backend(GroupedGemmBackend b) { g_backend.store(int(b), std::memory_order_relaxed); }
 
 GroupedGemmBackend grouped_gemm_backend() {
@@ -400,9 +407,12 @@ void grouped_gemm_cublas(const GroupedGemmParams& p, StreamHandle stream) {
                      p.in_features,
                      p.out_features};
   const float beta = wgrad || p.accumulate ? 1.f : 0.f;
-  // The grouped call where cuBLAS has the type combination; the loop otherwise
-  // (and where it answers NOT_SUPPORTED, checked before it launches anything).
-  if (!wgrad && p.out_dtype == p.in_dtype && run_grouped(p, geo, off, beta, device, stream)) return;
+  // The grouped call when selected and cuBLAS has the type combination; the
+  // per-expert loop otherwise (and where it answers NOT_SUPPORTED, checked
+  // before it launches anything).
+  if (grouped_gemm_cublas_grouped_api() && !wgrad && p.out_dtype == p.in_dtype &&
+      run_grouped(p, geo, off, beta, device, stream))
+    return;
   run_loop(p, geo, off, beta, device, stream);
 }
 

@@ -314,12 +314,17 @@ TEST_CASE("grouped GEMM backend knobs pick the kernels or cuBLAS", "[ops][moe][g
   };
   const int64_t fallbacks = ops::cuda::grouped_gemm_cublas_fallbacks();
   const std::vector<BFloat16> y_kernel = forward({}), y_cublas = forward(off);
-  // bf16 -> bf16 is one of cublasGemmGroupedBatchedEx's type combinations.
+  // bf16 -> bf16 is one of cublasGemmGroupedBatchedEx's type combinations
+  // (no fallback to the loop); the backend's other form, the per-expert loop.
   CHECK(ops::cuda::grouped_gemm_cublas_fallbacks() == fallbacks);
-  {  // the two backends agree to bf16 rounding
+  ops::cuda::set_grouped_gemm_cublas_grouped_api(false);
+  const std::vector<BFloat16> y_grouped = forward(off);  // (the loop's result)
+  ops::cuda::set_grouped_gemm_cublas_grouped_api(true);
+  {  // the backends agree to bf16 rounding
     std::vector<double> want(y_kernel.size());
     for (std::size_t i = 0; i < want.size(); ++i) want[i] = double(float(y_kernel[i]));
-    check_against(Tensor::from_vector(y_cublas, {N, No}, d, s), want, s, "cuBLAS vs kernel");
+    check_against(Tensor::from_vector(y_cublas, {N, No}, d, s), want, s, "cuBLAS grouped vs kernel");
+    check_against(Tensor::from_vector(y_grouped, {N, No}, d, s), want, s, "cuBLAS loop vs kernel");
   }
 
   ops::cuda::GroupedGemmParams q;

@@ -120,6 +120,14 @@ GroupedGemmBackend grouped_gemm_backend();
 // The backend grouped_gemm(p) runs: kernel or cublas (never automatic).
 GroupedGemmBackend grouped_gemm_backend_for(const GroupedGemmParams& p);
 
+// How the cuBLAS backend runs the forward and dgrad passes: one
+// cublasGemmGroupedBatchedEx (true, the default, measured on an H200 at
+// ~280-320 TFLOP/s on the Qwen3-30B-A3B shapes) or one cublasGemmEx per
+// expert with rows (false; the wgrad pass always loops and measured ~440
+// there). bench_grouped_gemm's /cublas_loop rows time the loop for fwd/dgrad.
+void set_grouped_gemm_cublas_grouped_api(bool on);
+bool grouped_gemm_cublas_grouped_api();
+
 // How many cuBLAS-backend calls cublasGemmGroupedBatchedEx refused with
 // CUBLAS_STATUS_NOT_SUPPORTED (they ran the per-expert loop), process-wide.
 int64_t grouped_gemm_cublas_fallbacks();
