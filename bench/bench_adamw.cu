@@ -162,30 +162,6 @@ std::string check_norm(Model& m, const Stream& s) {
   return "";
 }
 
-// Median seconds of one cudaMemcpyAsync of `bytes` device to device.
-double copy_seconds(std::size_t bytes, const Stream& s) {
-  static std::map<std::size_t, double> cache;
-  if (auto it = cache.find(bytes); it != cache.end()) return it->second;
-  Tensor a = Tensor::empty({int64_t(bytes)}, DType::u8, gpu(), s),
-         b = Tensor::empty({int64_t(bytes)}, DType::u8, gpu(), s);
-  a.fill_bytes_(1, s);
-  auto copy = [&] {
-    SLIME_CUDA_CHECK(cudaMemcpyAsync(b.data_ptr(), a.data_ptr(), bytes, cudaMemcpyDeviceToDevice, s.handle()));
-  };
-  slime::bench::warm_up(s, kWarmup, copy);
-  Event start(gpu()), stop(gpu());
-  std::vector<double> times;
-  for (int r = 0; r < kCopyReps; ++r) {
-    start.record(s);
-    for (int i = 0; i < kBatch; ++i) copy();
-    stop.record(s);
-    stop.synchronize();
-    times.push_back(double(Event::elapsed_ms(start, stop)) * 1e-3 / kBatch);
-  }
-  std::sort(times.begin(), times.end());
-  return cache[bytes] = times[times.size() / 2];
-}
-
 enum class Kind { adamw, adamw_copy, grad_norm };
 
 void run(benchmark::State& state, const std::string& name, Kind kind) {
@@ -208,13 +184,9 @@ void run(benchmark::State& state, const std::string& name, Kind kind) {
         adamw_launch(m, kind == Kind::adamw_copy, s);
       }
     });
-    const double gbps = slime::bench::per_second(bytes, t, 1e9);
-    const double copy_gbps = bytes / copy_seconds(std::size_t(bytes / 2), s) / 1e9;
-    state.counters["bytes"] = bytes;
+    slime::bench::copy_fraction_counters(
+        state, bytes, t, slime::bench::copy_seconds(std::size_t(bytes / 2), s, kWarmup, kBatch, kCopyReps));
     state.counters["numel"] = N;
-    state.counters["GBps"] = gbps;
-    state.counters["copy_GBps"] = copy_gbps;
-    state.counters["frac_of_copy"] = gbps / copy_gbps;
     s.synchronize();
   });
 }

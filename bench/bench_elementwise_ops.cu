@@ -91,57 +91,10 @@ double rel_err(const std::vector<BFloat16>& got, const std::vector<BFloat16>& wa
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
-// One benchmark case: buffers are made by setup(), launch() runs the op once,
-// check() returns "" or what is wrong (run once per case).
-struct Case {
-  double bytes = 0;
-  std::function<void(const Stream&)> launch;
-  std::function<std::string(const Stream&)> check;
-};
-
-// Median seconds of one cudaMemcpyAsync of `bytes` device to device.
-double copy_seconds(std::size_t bytes, const Stream& s) {
-  static std::map<std::size_t, double> cache;
-  if (auto it = cache.find(bytes); it != cache.end()) return it->second;
-  Tensor a = Tensor::empty({int64_t(bytes)}, DType::u8, gpu(), s),
-         b = Tensor::empty({int64_t(bytes)}, DType::u8, gpu(), s);
-  a.fill_bytes_(1, s);
-  auto copy = [&] {
-    SLIME_CUDA_CHECK(cudaMemcpyAsync(b.data_ptr(), a.data_ptr(), bytes, cudaMemcpyDeviceToDevice, s.handle()));
-  };
-  slime::bench::warm_up(s, kWarmup, copy);
-  Event start(gpu()), stop(gpu());
-  std::vector<double> times;
-  for (int r = 0; r < kCopyReps; ++r) {
-    start.record(s);
-    for (int i = 0; i < kBatch; ++i) copy();
-    stop.record(s);
-    stop.synchronize();
-    times.push_back(double(Event::elapsed_ms(start, stop)) * 1e-3 / kBatch);
-  }
-  std::sort(times.begin(), times.end());
-  return cache[bytes] = times[times.size() / 2];
-}
+using Case = slime::bench::CopyBoundCase;
 
 void run_case(benchmark::State& state, const std::string& name, const std::function<Case(const Stream&)>& setup) {
-  if (slime::bench::skip_without_cuda(state)) return;
-  slime::bench::run_or_skip(state, [&] {
-    static Stream stream = Stream::create(gpu());
-    const Stream& s = stream;
-    Case c = setup(s);
-    static std::map<std::string, std::string> verdicts;
-    if (!slime::bench::passed_check(state, verdicts, name, [&] { return c.check ? c.check(s) : std::string(); }))
-      return;
-    const double t = slime::bench::time_batches(state, s, kWarmup, kBatch, [&] { c.launch(s); });
-    const double copy_t = copy_seconds(static_cast<std::size_t>(c.bytes / 2), s);
-    const double gbps = slime::bench::per_second(c.bytes, t, 1e9);
-    const double copy_gbps = c.bytes / copy_t / 1e9;
-    state.counters["bytes"] = c.bytes;
-    state.counters["GBps"] = gbps;
-    state.counters["copy_GBps"] = copy_gbps;
-    state.counters["frac_of_copy"] = gbps / copy_gbps;
-    s.synchronize();
-  });
+  slime::bench::run_copy_bound_case(state, name, setup, gpu(), kWarmup, kBatch, kCopyReps);
 }
 
 // ---- cases ----

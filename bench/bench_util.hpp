@@ -19,6 +19,14 @@
 //                                     RegisterBenchmark with UseManualTime
 //   run_benchmarks(argc, argv)        Initialize, ReportUnrecognizedArguments,
 //                                     RunSpecifiedBenchmarks, Shutdown
+//   copy_seconds(bytes, stream, warmup, batch, reps)     (CUDA builds)
+//                                     median seconds of one device-to-device
+//                                     cudaMemcpyAsync of `bytes`, cached
+//   copy_fraction_counters(state, bytes, seconds, copy_seconds)
+//                                     bytes, GBps, copy_GBps, frac_of_copy
+//   CopyBoundCase / run_copy_bound_case(state, name, setup, warmup, batch,
+//                                     copy_reps)  a memory-bound op timed
+//                                     beside a copy of bytes / 2 (CUDA builds)
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -30,11 +38,13 @@
 #include <map>
 #include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "slime/core/device.hpp"
 #include "slime/core/stream.hpp"
+#include "slime/core/tensor.hpp"
 
 namespace slime::bench {
 
@@ -155,5 +165,76 @@ inline int run_benchmarks(int& argc, char** argv, const std::function<void()>& a
   benchmark::Shutdown();
   return 0;
 }
+
+#if SLIME_HAS_CUDA
+// Median seconds of one cudaMemcpyAsync of `bytes` device to device on
+// `stream`'s device: `warmup` untimed copies, then `reps` timed batches of
+// `batch` copies each (a CUDA event either side; the median batch / batch).
+// Cached per size (and settings) for the process.
+inline double copy_seconds(std::size_t bytes, const Stream& s, int warmup, int batch, int reps) {
+  static std::map<std::tuple<std::size_t, int, int, int>, double> cache;
+  const auto key = std::make_tuple(bytes, warmup, batch, reps);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  const Device d = s.device();
+  Tensor a = Tensor::empty({int64_t(bytes)}, DType::u8, d, s), b = Tensor::empty({int64_t(bytes)}, DType::u8, d, s);
+  a.fill_bytes_(1, s);
+  auto copy = [&] {
+    SLIME_CUDA_CHECK(cudaMemcpyAsync(b.data_ptr(), a.data_ptr(), bytes, cudaMemcpyDeviceToDevice, s.handle()));
+  };
+  warm_up(s, warmup, copy);
+  Event start(d), stop(d);
+  std::vector<double> times;
+  for (int r = 0; r < reps; ++r) {
+    start.record(s);
+    for (int i = 0; i < batch; ++i) copy();
+    stop.record(s);
+    stop.synchronize();
+    times.push_back(double(Event::elapsed_ms(start, stop)) * 1e-3 / batch);
+  }
+  std::sort(times.begin(), times.end());
+  return cache[key] = times[times.size() / 2];
+}
+
+// Counters bytes, GBps (bytes / seconds), copy_GBps (bytes / copy_seconds)
+// and frac_of_copy = GBps / copy_GBps.
+inline void copy_fraction_counters(benchmark::State& state, double bytes, double seconds, double copy_s) {
+  const double gbps = per_second(bytes, seconds, 1e9);
+  const double copy_gbps = bytes / copy_s / 1e9;
+  state.counters["bytes"] = bytes;
+  state.counters["GBps"] = gbps;
+  state.counters["copy_GBps"] = copy_gbps;
+  state.counters["frac_of_copy"] = gbps / copy_gbps;
+}
+
+// One memory-bound benchmark case: buffers are made by the setup function,
+// launch() runs the op once, check() returns "" or what is wrong (run once per
+// case name; may be empty).
+struct CopyBoundCase {
+  double bytes = 0;
+  std::function<void(const Stream&)> launch;
+  std::function<std::string(const Stream&)> check;
+};
+
+// Skips without a GPU; on one stream of `device` (made once): setup(), the
+// check on the first run of `name`, time_batches(warmup, batch) of launch(),
+// then copy_fraction_counters against a copy of bytes / 2 (the same traffic)
+// timed with copy_seconds(.., warmup, batch, copy_reps).
+inline void run_copy_bound_case(benchmark::State& state, const std::string& name,
+                                const std::function<CopyBoundCase(const Stream&)>& setup, Device device, int warmup,
+                                int batch, int copy_reps) {
+  if (skip_without_cuda(state)) return;
+  run_or_skip(state, [&] {
+    static Stream stream = Stream::create(device);
+    const Stream& s = stream;
+    CopyBoundCase c = setup(s);
+    static std::map<std::string, std::string> verdicts;
+    if (!passed_check(state, verdicts, name, [&] { return c.check ? c.check(s) : std::string(); })) return;
+    const double t = time_batches(state, s, warmup, batch, [&] { c.launch(s); });
+    const double copy_t = copy_seconds(static_cast<std::size_t>(c.bytes / 2), s, warmup, batch, copy_reps);
+    copy_fraction_counters(state, c.bytes, t, copy_t);
+    s.synchronize();
+  });
+}
+#endif
 
 }  // namespace slime::bench
