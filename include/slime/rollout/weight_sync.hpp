@@ -220,6 +220,13 @@ inline int64_t broadcast_u64(comm::Comm& comm, int root, uint64_t v, Device devi
   return t.to_vector<int64_t>(stream)[0];
 }
 
+// Waits for the work of a sync: `stream`, or the device's default stream
+// where the caller passed the CPU stream (the library's default argument).
+inline void finish(const Stream& stream, Device device) {
+  stream.synchronize();
+  if (device.is_cuda() && stream.device() != device) Stream::default_for(device).synchronize();
+}
+
 }  // namespace detail::weight_sync
 
 // Colocated: copies every tensor of `source` into `engine`'s parameter of the
@@ -248,7 +255,7 @@ WeightSyncStats sync_colocated(Source&& source, Engine& engine, int64_t version,
     SLIME_CHECK(weights_hash(engine.model(), stream) == h, "sync_colocated: the engine's weights hash differs");
   }
   engine.set_weight_version(version);
-  stream.synchronize();
+  ws::finish(stream, engine.model().device());
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
@@ -295,7 +302,7 @@ WeightSyncStats send_weights(comm::Comm& comm, Source&& source, int64_t version,
   SLIME_CHECK(index == meta.size(), "send_weights: the source yielded ", index, " tensors, its metadata ", meta.size());
   st.hash = h;
   if (cfg.verify) ws::broadcast_u64(comm, root, h, device, stream);
-  stream.synchronize();
+  ws::finish(stream, device);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
@@ -356,7 +363,7 @@ inline WeightSyncStats receive_weights(comm::Comm& comm, int root, Engine& engin
     st.hash = mine;
   }
   engine.set_weight_version(version);
-  stream.synchronize();
+  ws::finish(stream, device);
   st.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return st;
 }
