@@ -42,3 +42,19 @@ for e in range(cfg["num_experts"]):
 assert "model.layers.1.mlp.gate.weight" in names and "model.embed_tokens.weight" in names
 print(f"HF export: {len(names)} tensors with per-expert names")
 PY
+# A JSONL prompt dataset with the user's reward function (reward.hpp).
+python3 - "$dir/prompts.jsonl" <<'PY'
+import json, sys
+with open(sys.argv[1], "w") as f:
+    for i in range(40):
+        a, b = 3 + i % 20, 3 + (i * 7) % 20
+        f.write(json.dumps({"prompt_tokens": [0, a, b, 2], "label": [3 + (a + b) % 25]}) + "\n")
+PY
+"$bin" --short --device cpu --ranks 2 --prompts "$dir/prompts.jsonl" --max-new-tokens 3 --out "$dir/jsonl" --no-export
+python3 - "$dir/jsonl/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+assert [r["step"] for r in rows] == list(range(1, 7)), [r["step"] for r in rows]
+assert all(0 <= r["reward"] <= 1 for r in rows)
+print(f"JSONL prompts: {len(rows)} steps, mean reward {sum(r['reward'] for r in rows) / len(rows):.3f}")
+PY

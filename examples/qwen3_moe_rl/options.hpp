@@ -13,12 +13,15 @@ struct Options {
   // What to train.
   std::string model;               // HF directory (config.json + safetensors); empty: the built-in tiny Qwen3-MoE
   std::string task = "successor";  // a built-in task of slime/data/tasks.hpp
+  std::string prompts;             // JSONL prompts (prompt_tokens, label): replaces --task; reward.hpp scores
+  int max_new_tokens = 16;         // --prompts only (a task knows its answer length)
+  int eos_token = 1;               // --prompts only: generation stops after it
   float init_std = 0.1f;           // built-in model: N(0, init_std) weights
   int steps = 200;
   uint64_t seed = 1;
   // Rollout.
   int prompts_per_rollout = 32;  // over all ranks
-  int samples_per_prompt = 8;   // the GRPO group size
+  int samples_per_prompt = 8;    // the GRPO group size
   float temperature = 1.f;
   // Advantages and loss.
   std::string advantage = "grpo";  // grpo | gspo | reinforce++
@@ -61,6 +64,14 @@ struct Options {
     app.add_option("--task", task, "built-in task with a verifier: successor, copy, reverse, sum")
         ->capture_default_str()
         ->group(g);
+    app.add_option("--prompts", prompts,
+                   "JSONL prompt dataset ({\"prompt_tokens\": [...], \"label\": ...} per line) instead of --task; "
+                   "rewards from examples/qwen3_moe_rl/reward.hpp")
+        ->group(g);
+    app.add_option("--max-new-tokens", max_new_tokens, "with --prompts: the longest response")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--eos-token", eos_token, "with --prompts: the stop token")->capture_default_str()->group(g);
     app.add_option("--steps", steps, "optimizer steps (one rollout each)")->capture_default_str()->group(g);
     app.add_option("--seed", seed, "seed of prompts, sampling and initialisation")->capture_default_str()->group(g);
     g = "Rollout";

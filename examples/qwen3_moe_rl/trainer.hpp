@@ -36,7 +36,9 @@
 #include <fmt/core.h>
 
 #include "options.hpp"
+#include "reward.hpp"
 #include "slime/comm/comm.hpp"
+#include "slime/data/prompt_dataset.hpp"
 #include "slime/data/tasks.hpp"
 #include "slime/io/metrics_log.hpp"
 #include "slime/io/progress.hpp"
@@ -129,14 +131,24 @@ class Trainer {
         o.model.empty() ? nn::Qwen3Model(tiny_moe_config(32), {device, dtype_}) : nn::load_hf(o.model, device, dtype_);
     if (o.model.empty()) model.init_random(o.seed, o.init_std);
     config_ = model.config();
-    SLIME_CHECK(config_.vocab_size >= task_->vocab().vocab_size, "the model's vocabulary (", config_.vocab_size,
-                ") is smaller than the task's (", task_->vocab().vocab_size, ")");
+    int64_t context = 0;
+    if (o.prompts.empty()) {
+      SLIME_CHECK(config_.vocab_size >= task_->vocab().vocab_size, "the model's vocabulary (", config_.vocab_size,
+                  ") is smaller than the task's (", task_->vocab().vocab_size, ")");
+      context = task_->prompt_length() + task_->answer_length() + 1;
+    } else {
+      data::JsonlOptions jo;
+      jo.vocab_size = config_.vocab_size;
+      dataset_.emplace(data::PromptDataset::from_jsonl(o.prompts, o.seed, jo));
+      int64_t longest = 0;
+      for (int64_t i = 0; i < dataset_->size(); ++i) longest = std::max<int64_t>(longest, (*dataset_)[i].tokens.size());
+      context = longest + o.max_new_tokens;
+    }
     if (o.kl_coef != 0) ref_.emplace(model, rl::ReferenceModelConfig{.update_every = 0, .offload = o.offload});
     optim::AdamWConfig adamw;
     adamw.weight_decay = o.weight_decay;
     policy_ = std::make_unique<Policy>(std::move(model), comm, parallel::ShardedOptions{}, adamw);
     engine_model_ = std::make_unique<nn::Qwen3Model>(config_, nn::ModuleOptions{device, dtype_});
-    const int64_t context = task_->prompt_length() + task_->answer_length() + 1;
     engine_ = std::make_unique<rollout::Engine>(
         *engine_model_,
         rollout::EngineConfig{.max_batch = 256, .max_context = context, .kv_capacity = 0, .seed = o.seed});
@@ -151,6 +163,7 @@ class Trainer {
     const fs::path out = o_.out_dir, ckpt = out / "checkpoints";
     int64_t start = 0;
     if (o_.resume) start = resume(ckpt);
+    if (dataset_ && start > 0) (void)dataset_->next_batch(start * o_.prompts_per_rollout);  // the data position
     sync_engine(start);
     std::unique_ptr<io::MetricsLog> log;
     std::unique_ptr<io::Progress> progress;
@@ -223,31 +236,39 @@ class Trainer {
   io::Scalars train_step(int64_t step) {
     const int W = comm_.size(), r = comm_.rank();
     const int64_t per_rank = o_.prompts_per_rollout / W, n = o_.samples_per_prompt;
-    // Rollout: this rank's prompts, n samples each.
+    // Rollout: this rank's prompts (every rank draws the step's whole batch in
+    // the same order and takes its slice), n samples each.
+    std::vector<int64_t> batch;  // dataset indices of the step's prompts
+    if (dataset_) batch = dataset_->next_batch(o_.prompts_per_rollout);
     std::vector<std::vector<int32_t>> prompts;
     std::vector<rollout::Request> requests;
     for (int64_t i = 0; i < per_rank; ++i) {
-      const uint64_t g = uint64_t(step) * uint64_t(o_.prompts_per_rollout) + uint64_t(r * per_rank + i);
-      prompts.push_back(task_->prompt(o_.seed, g));
+      const int64_t slot = r * per_rank + i;
+      const uint64_t g = uint64_t(step) * uint64_t(o_.prompts_per_rollout) + uint64_t(slot);
+      prompts.push_back(dataset_ ? (*dataset_)[batch[std::size_t(slot)]].tokens : task_->prompt(o_.seed, g));
       for (int64_t j = 0; j < n; ++j) {
         rollout::Request q;
         q.prompt = prompts.back();
         q.sample_id = g * uint64_t(n) + uint64_t(j);
         q.sampling.temperature = o_.temperature;
-        q.sampling.max_new_tokens = task_->answer_length() + 1;
-        q.sampling.stop_tokens = {data::TaskVocab::kEos};
+        q.sampling.max_new_tokens = dataset_ ? o_.max_new_tokens : task_->answer_length() + 1;
+        q.sampling.stop_tokens = {dataset_ ? int32_t(o_.eos_token) : data::TaskVocab::kEos};
         requests.push_back(std::move(q));
       }
     }
     if (o_.offload) engine_->onload();
     const std::vector<rollout::Completion> done = engine_->generate(requests);
     if (o_.offload) engine_->offload();
-    // Rewards and advantages.
+    // Rewards: the task's verifier, or the user's function for a dataset.
     const int64_t N = int64_t(done.size());
     std::vector<float> rewards(static_cast<std::size_t>(N));
     for (int64_t s = 0; s < N; ++s) {
       SLIME_CHECK(done[s].finish != rollout::FinishReason::error, "rollout failed: ", done[s].error);
-      rewards[std::size_t(s)] = float(task_->reward(prompts[std::size_t(s / n)], done[std::size_t(s)].tokens));
+      const auto& prompt = prompts[std::size_t(s / n)];
+      const auto& response = done[std::size_t(s)].tokens;
+      rewards[std::size_t(s)] =
+          float(dataset_ ? user_reward(prompt, response, (*dataset_)[batch[std::size_t(r * per_rank + s / n)]].label)
+                         : task_->reward(prompt, response));
     }
     const std::vector<float> adv = advantages(rewards);
     // Micro-batches: the same count on every rank.
@@ -548,6 +569,7 @@ class Trainer {
   DType dtype_ = DType::f32;
   nn::Qwen3Config config_;
   std::unique_ptr<data::Task> task_;
+  std::optional<data::PromptDataset> dataset_;  // --prompts
   std::unique_ptr<Policy> policy_;
   std::optional<rl::ReferenceModel<>> ref_;
   std::unique_ptr<nn::Qwen3Model> engine_model_;
