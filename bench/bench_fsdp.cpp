@@ -1,20 +1,33 @@
-// bench/bench_fsdp.cpp: the FSDP train step of a ~0.5B dense Qwen3 on 1 and 2
-// H200s, Sharded<Qwen3Model, FullShard> over NcclComm, beside PyTorch FSDP2
-// on transformers' Qwen3ForCausalLM (bench/torch_fsdp2.py, which also prints
-// the side-by-side table with the 1 -> 2 GPU scaling).
+// bench/bench_fsdp.cpp: the FSDP train step of a ~0.5B dense Qwen3 and of a
+// small Qwen3-MoE on 1 and 2 H200s, Sharded<Qwen3Model, FullShard> over
+// NcclComm, beside PyTorch FSDP2 on transformers' Qwen3ForCausalLM /
+// Qwen3MoeForCausalLM (bench/torch_fsdp2.py, which also prints the
+// side-by-side table with the 1 -> 2 GPU scaling).
 //
 // Model "dense0.5b" (Qwen3-0.6B's shape with 24 layers): hidden 1024, 24
 // layers, 16 heads / 8 KV heads, head_dim 128, intermediate 3072, vocab
-// 151936, tied embeddings, rope_theta 1e6: 533.1M parameters. Random init
-// (std 0.02, norm weights 1), bf16 compute, fp32 master weights, fp32
-// gradient reduction, AdamW (lr 1e-5, betas 0.9 / 0.999, eps 1e-8, weight
-// decay 0.01, no grad clipping). No activation checkpointing (neither side).
+// 151936, tied embeddings, rope_theta 1e6: 533.1M parameters.
+// Model "moe" (Qwen3-MoE, no expert parallelism: the stacked expert weights
+// shard like any parameter of their layer's unit): hidden 1024, 8 layers, 16
+// heads / 4 KV heads, head_dim 64, every layer sparse (decoder_sparse_step 1,
+// no mlp_only_layers) with 32 experts top-4, moe_intermediate 384,
+// norm_topk_prob, vocab 32000, untied LM head, rope_theta 1e6 (intermediate
+// 3072 is unused: no dense MLP layer): 388.8M parameters, 91.8M of them
+// active per token (attention, router, 4 experts, LM head; embedding not
+// counted). No load-balancing loss (output_router_logits false, as torch's
+// side). The MoE forward copies each sparse layer's expert group sizes to the
+// host (SparseMoeBlock::host_group_sizes, the default: cuBLAS grouped GEMMs),
+// one stream synchronisation per sparse layer and step.
+// Both: random init (std 0.02, norm weights 1), bf16 compute, fp32 master
+// weights, fp32 gradient reduction, AdamW (lr 1e-5, betas 0.9 / 0.999, eps
+// 1e-8, weight decay 0.01, no grad clipping). No activation checkpointing
+// (neither side).
 //
 // Data, weak scaling: every rank trains on its own 8 sequences of 2048 tokens
 // per step (16384 tokens per rank, 32768 per step on 2 GPUs), packed
 // ([16384] with cu_seqlens, causal attention inside each sequence, positions
 // restarting at 0). Sequence s of rank r holds the tokens x(j) = ((r * 8 + s)
-// * 2049 + j) * 2654435761 mod 151936 for j = 0 .. 2048: inputs j < 2048,
+// * 2049 + j) * 2654435761 mod vocab for j = 0 .. 2048: inputs j < 2048,
 // targets j >= 1 (the next token), so every one of the 16384 positions has a
 // target. torch_fsdp2.py builds the same tokens (as 8 rows of 2048).
 //
@@ -23,21 +36,23 @@
 // computes the entropy), its backward with d logprob = -1 / (global tokens)
 // (the loss is the mean negative log-likelihood over the step's tokens of all
 // ranks; gradients summed over ranks), backward, AdamW on the master shards.
-// No host synchronisation inside a step (the loss is read only outside the
-// timed steps).
+// No other host synchronisation inside a step (the loss is read only outside
+// the timed steps).
 //
 // Rank drivers: run_nccl_ranks (one thread and one GPU per rank): 1 rank for
-// fsdp/dense0.5b/gpus1 (a 1-rank communicator: Sharded adds no copies),
+// fsdp/<model>/gpus1 (a 1-rank communicator: Sharded adds no copies),
 // 2 ranks for gpus2 (FullShard: all-gathers prefetched on the communication
 // stream, reduce-scatters overlapped with the backward).
 //
-// Method: build, kWarmup untimed steps (the first one's loss is checked:
+// Method: build, `warmup` untimed steps (the first one's loss is checked:
 // finite and within 1 of ln(vocab), as for any near-uniform random init),
-// barrier, reset the peak of slime::memory_stats(device), kSteps steps with a
-// CUDA event on the compute stream before each and after the last (no host
-// sync in between), then one synchronisation. A step's time is the slowest
-// rank's; the reported iteration time (us) is the median over the kSteps
-// steps (one Google Benchmark iteration holds the whole measurement).
+// barrier, reset the peak of slime::memory_stats(device), `steps` steps with a
+// CUDA event on the compute stream before each and after the last, then one
+// synchronisation: dense0.5b 3 warm-up + 10 timed, moe 2 + 5 (torch's side
+// takes as long per step as several of slime's: both programs stay within
+// their 90 s in tools/gpu-test.sh). A step's time is the slowest rank's; the
+// reported iteration time (us) is the median over the timed steps (one Google
+// Benchmark iteration holds the whole measurement).
 // Counters (per configuration):
 //   tokens_per_s     ranks * 16384 / median step time (all GPUs together)
 //   peak_gib         max over ranks of memory_stats(device).peak_bytes during
@@ -46,9 +61,11 @@
 //   reserved_gib     max over ranks of the CUDA pool's reserved bytes after the
 //                    timed steps (the pool is emptied before each run)
 //   tflops           model FLOP per GPU per second: 6 * tokens * matmul params
-//                    (lm head included) + 6 * layers * seqs * 2048^2 * heads *
+//                    active per token (lm head included; MoE layers: router
+//                    + top-k experts) + 6 * layers * seqs * 2048^2 * heads *
 //                    head_dim (causal attention, forward + backward)
-//   mean_us, min_us, max_us, loss_first, loss_last, gpus, tokens_per_step
+//   mean_us, min_us, max_us, loss_first, loss_last, gpus, tokens_per_step,
+//   steps (timed)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -73,12 +90,18 @@ using namespace slime;
 
 constexpr int kSeqs = 8;           // sequences per rank and step
 constexpr int64_t kSeqLen = 2048;  // tokens per sequence
-constexpr int kWarmup = 3;         // untimed steps
-constexpr int kSteps = 10;         // timed steps; the median is reported
 constexpr double kLr = 1e-5;
 constexpr double kGiB = double(int64_t(1) << 30);
 
-nn::Qwen3Config dense_config() {
+// A benchmarked model: its row name, config and step counts.
+struct BenchModel {
+  std::string name;
+  nn::Qwen3Config config;
+  int warmup = 3;  // untimed steps
+  int steps = 10;  // timed steps; the median is reported
+};
+
+BenchModel dense_model() {
   nn::Qwen3Config c;
   c.vocab_size = 151936;
   c.hidden_size = 1024;
@@ -92,15 +115,46 @@ nn::Qwen3Config dense_config() {
   c.rope_theta = 1e6;
   c.tie_word_embeddings = true;
   c.torch_dtype = DType::bf16;
-  return c;
+  return {"dense0.5b", c, 3, 10};
+}
+
+BenchModel moe_model() {
+  nn::Qwen3Config c;
+  c.model_type = "qwen3_moe";
+  c.vocab_size = 32000;
+  c.hidden_size = 1024;
+  c.intermediate_size = 3072;  // unused: every layer is sparse
+  c.num_hidden_layers = 8;
+  c.num_attention_heads = 16;
+  c.num_key_value_heads = 4;
+  c.head_dim = 64;
+  c.max_position_embeddings = 40960;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1e6;
+  c.tie_word_embeddings = false;
+  c.torch_dtype = DType::bf16;
+  c.num_experts = 32;
+  c.num_experts_per_tok = 4;
+  c.moe_intermediate_size = 384;
+  c.norm_topk_prob = true;
+  c.decoder_sparse_step = 1;
+  c.mlp_only_layers = {};
+  c.output_router_logits = false;  // no load-balancing loss
+  c.validate();
+  return {"moe", c, 2, 5};
 }
 
 // Model FLOP of one rank's step (see the file comment).
 double step_flop(const nn::Qwen3Config& c) {
   const double d = double(c.hidden_size), qd = double(c.num_attention_heads) * c.head_dim,
                kvd = double(c.num_key_value_heads) * c.head_dim;
-  const double per_layer = d * qd + 2 * d * kvd + qd * d + 3 * d * double(c.intermediate_size);
-  const double matmul_params = double(c.num_hidden_layers) * per_layer + double(c.vocab_size) * d;
+  double matmul_params = double(c.vocab_size) * d;  // the LM head
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    matmul_params += d * qd + 2 * d * kvd + qd * d;
+    matmul_params += c.is_sparse_layer(l) ? d * double(c.num_experts) +
+                                                double(c.num_experts_per_tok) * 3 * d * double(c.moe_intermediate_size)
+                                          : 3 * d * double(c.intermediate_size);
+  }
   const double tokens = double(kSeqs) * double(kSeqLen);
   const double attention = 6.0 * c.num_hidden_layers * kSeqs * double(kSeqLen) * double(kSeqLen) * qd;
   return 6.0 * tokens * matmul_params + attention;
@@ -130,7 +184,7 @@ RankData rank_data(int rank, int64_t vocab, Device dev) {
 }
 
 struct RankResult {
-  std::vector<double> step_ms;  // kSteps
+  std::vector<double> step_ms;  // one per timed step
   int64_t peak_bytes = 0, reserved_bytes = 0;
   double loss_first = 0, loss_last = 0;
 };
@@ -143,11 +197,11 @@ double mean_nll(const Tensor& logprobs, const Stream& s) {
 }
 
 // One rank's whole measurement (see the file comment).
-void train_rank(comm::NcclComm& comm, RankResult& out) {
+void train_rank(comm::NcclComm& comm, const BenchModel& bm, RankResult& out) {
   const Device dev = comm.device();
   const int world = comm.size();
   release_cached_memory(dev);  // a clean pool: reserved_bytes is this run's
-  const nn::Qwen3Config cfg = dense_config();
+  const nn::Qwen3Config& cfg = bm.config;
   nn::Qwen3Model model(cfg, {dev, DType::bf16});
   model.init_random(1, 0.02f, Stream::default_for(dev));  // the same weights on every rank
   parallel::ShardedOptions options;                       // bf16 compute (the module's), fp32 master, fp32 reduction
@@ -179,20 +233,20 @@ void train_rank(comm::NcclComm& comm, RankResult& out) {
   };
 
   out.loss_first = mean_nll(step(), s);
-  for (int i = 1; i < kWarmup; ++i) step();
+  for (int i = 1; i < bm.warmup; ++i) step();
   s.synchronize();
   comm.barrier();
   reset_peak_memory_stats(dev);
   std::vector<Event> marks;
-  for (int i = 0; i <= kSteps; ++i) marks.emplace_back(dev);
+  for (int i = 0; i <= bm.steps; ++i) marks.emplace_back(dev);
   Tensor last;
-  for (int i = 0; i < kSteps; ++i) {
+  for (int i = 0; i < bm.steps; ++i) {
     marks[std::size_t(i)].record(s);
     last = step();
   }
   marks.back().record(s);
   s.synchronize();
-  for (int i = 0; i < kSteps; ++i)
+  for (int i = 0; i < bm.steps; ++i)
     out.step_ms.push_back(double(Event::elapsed_ms(marks[std::size_t(i)], marks[std::size_t(i) + 1])));
   const MemoryStats m = memory_stats(dev);
   out.peak_bytes = m.peak_bytes;
@@ -201,7 +255,7 @@ void train_rank(comm::NcclComm& comm, RankResult& out) {
   comm.barrier();  // neither rank tears down while the other may still be in a collective
 }
 
-void run_fsdp(benchmark::State& state, int ranks) {
+void run_fsdp(benchmark::State& state, const BenchModel& bm, int ranks) {
   if (bench::skip_without_cuda(state)) return;
   const int devices = cuda_device_count();
   if (devices < ranks) {
@@ -209,10 +263,12 @@ void run_fsdp(benchmark::State& state, int ranks) {
     return;
   }
   bench::run_or_skip(state, [&] {
-    const nn::Qwen3Config cfg = dense_config();
+    const nn::Qwen3Config& cfg = bm.config;
+    const int n = bm.steps;
     for (auto _ : state) {
       std::vector<RankResult> results(static_cast<std::size_t>(ranks));
-      comm::run_nccl_ranks(ranks, [&](comm::NcclComm& comm) { train_rank(comm, results[std::size_t(comm.rank())]); });
+      comm::run_nccl_ranks(ranks,
+                           [&](comm::NcclComm& comm) { train_rank(comm, bm, results[std::size_t(comm.rank())]); });
       // Checks: a near-uniform start (random init, std 0.02) and no blow-up.
       const double ln_v = std::log(double(cfg.vocab_size));
       for (int r = 0; r < ranks; ++r) {
@@ -224,25 +280,27 @@ void run_fsdp(benchmark::State& state, int ranks) {
           return;
         }
       }
-      std::vector<double> step_ms(kSteps, 0.0);  // the slowest rank's time of each step
+      std::vector<double> step_ms(std::size_t(n), 0.0);  // the slowest rank's time of each step
       int64_t peak = 0, reserved = 0;
       for (const RankResult& rr : results) {
-        for (int i = 0; i < kSteps; ++i)
+        for (int i = 0; i < n; ++i)
           step_ms[std::size_t(i)] = std::max(step_ms[std::size_t(i)], rr.step_ms[std::size_t(i)]);
         peak = std::max(peak, rr.peak_bytes);
         reserved = std::max(reserved, rr.reserved_bytes);
       }
       std::vector<double> sorted = step_ms;
       std::sort(sorted.begin(), sorted.end());
-      const double median_ms = kSteps % 2 ? sorted[kSteps / 2] : 0.5 * (sorted[kSteps / 2 - 1] + sorted[kSteps / 2]);
+      const std::size_t h = std::size_t(n / 2);
+      const double median_ms = n % 2 ? sorted[h] : 0.5 * (sorted[h - 1] + sorted[h]);
       double mean_ms = 0;
-      for (double t : step_ms) mean_ms += t / kSteps;
+      for (double t : step_ms) mean_ms += t / n;
       state.SetIterationTime(median_ms * 1e-3);
 
       const double tokens_per_step = double(ranks) * kSeqs * double(kSeqLen);
       state.counters["tokens_per_s"] = tokens_per_step / (median_ms * 1e-3);
       state.counters["tokens_per_step"] = tokens_per_step;
       state.counters["gpus"] = ranks;
+      state.counters["steps"] = n;
       state.counters["peak_gib"] = double(peak) / kGiB;
       state.counters["reserved_gib"] = double(reserved) / kGiB;
       state.counters["tflops"] = bench::per_second(step_flop(cfg), median_ms * 1e-3, 1e12);
@@ -260,20 +318,30 @@ void run_fsdp(benchmark::State& state, int ranks) {
 int main(int argc, char** argv) {
   // Never NVLink multicast (shared hosts); an explicit setting is left alone.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
-  for (int ranks : {1, 2}) {
-    // One iteration holds the whole measurement (kWarmup + kSteps steps); its
-    // time is the median step.
-    bench::register_manual(
-        "fsdp/dense0.5b/gpus" + std::to_string(ranks), [ranks](benchmark::State& state) { run_fsdp(state, ranks); },
-        benchmark::kMillisecond,
-        /*iterations=*/1, /*repetitions=*/1);
+  for (const BenchModel& bm : {dense_model(), moe_model()}) {
+    for (int ranks : {1, 2}) {
+      // One iteration holds the whole measurement (warm-up + timed steps);
+      // its time is the median step.
+      bench::register_manual(
+          "fsdp/" + bm.name + "/gpus" + std::to_string(ranks),
+          [bm, ranks](benchmark::State& state) { run_fsdp(state, bm, ranks); }, benchmark::kMillisecond,
+          /*iterations=*/1, /*repetitions=*/1);
+    }
   }
   return bench::run_benchmarks(argc, argv, [] {
     benchmark::AddCustomContext("model",
                                 "dense0.5b: Qwen3 hidden 1024, 24 layers, 16/8 heads, head_dim 128, "
                                 "intermediate 3072, vocab 151936, tied");
+    benchmark::AddCustomContext("model_moe",
+                                "moe: Qwen3-MoE hidden 1024, 8 layers (all sparse), 16/4 heads, head_dim 64, "
+                                "32 experts top-4, moe_intermediate 384, norm_topk_prob, vocab 32000, untied, "
+                                "no expert parallelism, no aux loss");
     benchmark::AddCustomContext("tokens_per_rank", std::to_string(kSeqs) + " x " + std::to_string(kSeqLen));
-    benchmark::AddCustomContext("steps", std::to_string(kWarmup) + " warm-up + " + std::to_string(kSteps) + " timed");
+    std::string steps;
+    for (const BenchModel& bm : {dense_model(), moe_model()})
+      steps += (steps.empty() ? "" : "; ") + bm.name + ": " + std::to_string(bm.warmup) + " warm-up + " +
+               std::to_string(bm.steps) + " timed";
+    benchmark::AddCustomContext("steps", steps);
     try {
       benchmark::AddCustomContext("nccl_version", comm::NcclComm::nccl_version());
     } catch (const std::exception& e) {

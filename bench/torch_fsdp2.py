@@ -1,50 +1,76 @@
 #!/usr/bin/env python3
 """PyTorch FSDP2 baseline for bench/bench_fsdp.cpp, and the side-by-side table.
 
-The train step of transformers' Qwen3ForCausalLM with bench_fsdp's "dense0.5b"
-config (hidden 1024, 24 layers, 16 heads / 8 KV heads, head_dim 128,
-intermediate 3072, vocab 151936, tied embeddings, rope_theta 1e6: 533.1M
-parameters), random init (std 0.02), SDPA attention, no activation
-checkpointing, wrapped in FSDP2: fully_shard on every decoder layer and on the
-root, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32
+The train step of two models, bench_fsdp's, each wrapped in FSDP2:
+fully_shard on every decoder layer and on the root,
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32
 parameters (the fp32 master), torch.optim.AdamW(fused=True, lr 1e-5, betas
-0.9 / 0.999, eps 1e-8, weight decay 0.01), eager (no torch.compile).
+0.9 / 0.999, eps 1e-8, weight decay 0.01), random init (std 0.02), SDPA
+attention, no activation checkpointing, eager (no torch.compile):
+
+  dense0.5b  transformers' Qwen3ForCausalLM: hidden 1024, 24 layers, 16 heads /
+             8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied
+             embeddings, rope_theta 1e6: 533.1M parameters. 3 warm-up + 10
+             timed steps.
+  moe        transformers' Qwen3MoeForCausalLM from a Qwen3MoeConfig: hidden
+             1024, 8 layers, 16 heads / 4 KV heads (head_dim 64 = hidden /
+             heads), every layer sparse (decoder_sparse_step 1, no
+             mlp_only_layers), 32 experts top-4, moe_intermediate 384,
+             norm_topk_prob, vocab 32000, untied, rope_theta 1e6
+             (intermediate 3072 unused): 388.8M parameters, 91.8M active per
+             token. output_router_logits False: no load-balancing loss (as
+             slime's side). No expert parallelism (the stacked expert weights
+             shard with their layer). The experts run with transformers'
+             "grouped_mm" experts implementation (torch grouped GEMMs) where
+             this transformers / torch offers it (transformers 5:
+             experts_implementation), else its default ("eager", or a
+             ModuleList looped in Python for transformers 4.x); the row
+             records which ran ("experts_implementation", "grouped_mm" and,
+             after a failed attempt, "fallback"). 2 warm-up + 5 timed steps
+             (the MoE steps of eager PyTorch are slow: both models' runs fit
+             tools/gpu-test.sh's 90 s per process).
 
 Data, weak scaling as in bench_fsdp: every rank trains on its own 8 sequences
 of 2048 tokens per step, as a batch of 8 rows of 2048 (causal attention inside
 each row, positions 0..2047 in each; the same attention work as slime's packed
 varlen batch with cu_seqlens). Row s of rank r holds x(j) = ((r * 8 + s) * 2049
-+ j) * 2654435761 mod 151936 for j = 0 .. 2048: input_ids j < 2048, targets
++ j) * 2654435761 mod vocab for j = 0 .. 2048: input_ids j < 2048, targets
 j >= 1, so every one of the 16384 positions has a target (the same tokens as
 slime's). One step: zero_grad(set_to_none), logits = model(input_ids).logits
 (bf16 [8, 2048, V]), loss = cross_entropy(logits.float(), targets) (mean over
 the rank's 16384 tokens, as transformers' ForCausalLMLoss upcasts; FSDP2
 averages gradients over ranks, so the loss is the mean over all ranks' tokens,
-as slime's), backward, optimizer step. No host synchronisation inside a step.
+as slime's), backward, optimizer step. No host synchronisation inside a step
+of ours (transformers' MoE code may have its own).
 
-Method: --warmup untimed steps (the first one's loss is checked: finite and
-within 1 of ln(vocab)), reset the peak memory statistics, --steps steps with a
-CUDA event on the current stream before each and after the last, one
-synchronisation; a step's time is the slowest rank's, "us" the median over the
-steps. Row "fsdp/dense0.5b/gpus<N>" with us, tokens_per_s (N * 16384 / median
-step time), peak_gib (torch.cuda.max_memory_allocated during the timed steps,
-max over ranks), reserved_gib (max_memory_reserved), tflops (model FLOP per GPU
-per second, bench_fsdp's formula), mean_us, min_us, max_us, loss_first,
-loss_last, gpus, tokens_per_step, params.
+Method, per model: --warmup untimed steps (the first one's loss is checked:
+finite and within 1 of ln(vocab)), reset the peak memory statistics, --steps
+steps with a CUDA event on the current stream before each and after the last,
+one synchronisation; a step's time is the slowest rank's, "us" the median over
+the steps. Rows "fsdp/<model>/gpus<N>" with us, tokens_per_s (N * 16384 /
+median step time), peak_gib (torch.cuda.max_memory_allocated during the timed
+steps, max over ranks), reserved_gib (max_memory_reserved), tflops (model FLOP
+per GPU per second, bench_fsdp's formula: active matmul parameters), mean_us,
+min_us, max_us, loss_first, loss_last, gpus, tokens_per_step, params, steps.
+The models run one after the other in one process (dense0.5b first), each
+row written to --out as soon as it is measured; the memory of one is freed
+before the next.
 
     python3 bench/torch_fsdp2.py --out torch_fsdp.json            # 1 GPU (a process group of one)
     torchrun --nproc-per-node 2 bench/torch_fsdp2.py --append --out torch_fsdp.json   # 2 GPUs
     python3 bench/torch_fsdp2.py --table --slime bench_fsdp.json --out torch_fsdp.json
 
---append keeps the rows of --out for other GPU counts. --table only prints
-(and exits 1 only when a correctness check failed or a file is missing)
-slime's rows (Google Benchmark JSON of bench_fsdp) beside these: step time,
-tokens/s, peak memory, their ratios (torch / slime for time and memory, slime
-/ torch for tokens/s: > 1 means slime is better) and the 1 -> 2 GPU scaling
-(tokens/s on 2 GPUs / on 1; 2.00 is perfect weak scaling). NCCL_NVLS_ENABLE=0
-unless the environment already sets it.
+--model picks one model (default: both). --warmup / --steps override both
+models' step counts. --append keeps the rows of --out for other GPU counts.
+--table only prints (and exits 1 only when a correctness check failed or a
+file is missing) slime's rows (Google Benchmark JSON of bench_fsdp) beside
+these: step time, tokens/s, peak memory, their ratios (torch / slime for time
+and memory, slime / torch for tokens/s: > 1 means slime is better) and, per
+model, the 1 -> 2 GPU scaling (tokens/s on 2 GPUs / on 1; 2.00 is perfect
+weak scaling). NCCL_NVLS_ENABLE=0 unless the environment already sets it.
 """
 
+import argparse
 import json
 import math
 import os
@@ -57,50 +83,239 @@ import bench_util  # noqa: E402  (bench/, beside this script; does not import to
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
-MODEL = "dense0.5b"
 SEQS, SEQ_LEN = 8, 2048
-CONFIG = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=24,
-              num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-              rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_cache=False, attention_dropout=0.0,
-              initializer_range=0.02)
 GIB = float(1 << 30)
+# name -> transformers config class, its kwargs, head_dim (for the FLOP count), step counts, tied.
+MODELS = {
+    "dense0.5b": dict(
+        config_class="Qwen3Config",
+        config=dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=24,
+                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                    rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_cache=False,
+                    attention_dropout=0.0, initializer_range=0.02),
+        head_dim=128, warmup=3, steps=10, tied=True,
+        description="Qwen3 hidden 1024, 24 layers, 16/8 heads, head_dim 128, intermediate 3072, vocab 151936, tied"),
+    "moe": dict(
+        config_class="Qwen3MoeConfig",
+        # head_dim is not a Qwen3MoeConfig field: its attention takes hidden / heads = 64 (checked after building).
+        config=dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                    rope_theta=1e6, tie_word_embeddings=False, use_cache=False, attention_dropout=0.0,
+                    initializer_range=0.02, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                    hidden_act="silu"),
+        head_dim=64, warmup=2, steps=5, tied=False,
+        description="Qwen3-MoE hidden 1024, 8 layers (all sparse), 16/4 heads, head_dim 64, 32 experts top-4, "
+                    "moe_intermediate 384, norm_topk_prob, vocab 32000, untied, no expert parallelism, no aux loss"),
+}
 
 
-def bench_name(gpus):
-    return f"fsdp/{MODEL}/gpus{gpus}"
+def bench_name(model, gpus):
+    return f"fsdp/{model}/gpus{gpus}"
 
 
-def step_flop():
-    """Model FLOP of one rank's step (as bench_fsdp): 6 * tokens * matmul params (lm head included)
-    + 6 * layers * seqs * seq_len^2 * heads * head_dim (causal attention, forward + backward)."""
-    c = CONFIG
-    d, qd = c["hidden_size"], c["num_attention_heads"] * c["head_dim"]
-    kvd = c["num_key_value_heads"] * c["head_dim"]
-    per_layer = d * qd + 2 * d * kvd + qd * d + 3 * d * c["intermediate_size"]
-    matmul_params = c["num_hidden_layers"] * per_layer + c["vocab_size"] * d
+def is_sparse_layer(c, layer):
+    """Qwen3MoeDecoderLayer's rule (as slime's Qwen3Config::is_sparse_layer)."""
+    return (c.get("num_experts", 0) > 0 and layer not in c.get("mlp_only_layers", [])
+            and (layer + 1) % c.get("decoder_sparse_step", 1) == 0)
+
+
+def step_flop(model):
+    """Model FLOP of one rank's step (as bench_fsdp): 6 * tokens * matmul params active per token (lm head
+    included; MoE layers: router + top-k experts) + 6 * layers * seqs * seq_len^2 * heads * head_dim (causal
+    attention, forward + backward)."""
+    spec = MODELS[model]
+    c = spec["config"]
+    d, qd = c["hidden_size"], c["num_attention_heads"] * spec["head_dim"]
+    kvd = c["num_key_value_heads"] * spec["head_dim"]
+    matmul_params = c["vocab_size"] * d
+    for layer in range(c["num_hidden_layers"]):
+        matmul_params += d * qd + 2 * d * kvd + qd * d
+        if is_sparse_layer(c, layer):
+            matmul_params += d * c["num_experts"] + c["num_experts_per_tok"] * 3 * d * c["moe_intermediate_size"]
+        else:
+            matmul_params += 3 * d * c["intermediate_size"]
     attention = 6.0 * c["num_hidden_layers"] * SEQS * SEQ_LEN * SEQ_LEN * qd
     return 6.0 * SEQS * SEQ_LEN * matmul_params + attention
 
 
-def make_tokens(rank, device):
+def make_tokens(rank, vocab, device):
     """input_ids, targets: int64 [8, 2048], x(j) of the module docstring."""
     import torch
 
     rows = (rank * SEQS + torch.arange(SEQS, dtype=torch.int64))[:, None] * (SEQ_LEN + 1)
-    x = (rows + torch.arange(SEQ_LEN + 1, dtype=torch.int64)[None, :]) * 2654435761 % CONFIG["vocab_size"]
+    x = (rows + torch.arange(SEQ_LEN + 1, dtype=torch.int64)[None, :]) * 2654435761 % vocab
     return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)
 
 
-def measure(args):
+def first_line(e):
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def experts_implementation(model):
+    """What runs the experts of an MoE model: "module_list" (transformers 4.x: experts looped in Python), else
+    the config's _experts_implementation (transformers 5: "grouped_mm", "eager", ...)."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    import transformers
+
+    experts = getattr(model.model.layers[0].mlp, "experts", None)
+    if isinstance(experts, torch.nn.ModuleList):
+        return "module_list"
+    cfg = getattr(experts, "config", None) or model.config
+    return str(getattr(cfg, "_experts_implementation", None) or getattr(model.config, "_experts_implementation", None))
+
+
+def build(transformers, model_name, device, experts_impl):
+    """The FSDP2-wrapped model and its optimizer (experts_impl: None, or the requested experts implementation)."""
+    import torch
 
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+    spec = MODELS[model_name]
+    kwargs = dict(spec["config"])
+    if experts_impl is not None:
+        kwargs["experts_implementation"] = experts_impl
+    cfg = getattr(transformers, spec["config_class"])(**kwargs)
+    extra = {} if experts_impl is None else {"experts_implementation": experts_impl}
+    torch.manual_seed(0)  # the same initial weights on every rank
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", **extra)
+    model.train()
+    params = sum(p.numel() for p in model.parameters())  # shared (tied) parameters once
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "the master parameters must be fp32"
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == spec["tied"], f"the embeddings must {'' if spec['tied'] else 'not '}be tied"
+    head_dim = getattr(model.model.layers[0].self_attn, "head_dim", spec["head_dim"])
+    assert head_dim == spec["head_dim"], f"head_dim {head_dim}, expected {spec['head_dim']}"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                            fused=True)
+    return model, opt, params
+
+
+def measure_model(args, transformers, model_name, device, world, rank):
+    """(row, context) of one model (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    spec = MODELS[model_name]
+    warmup = args.warmup if args.warmup is not None else spec["warmup"]
+    steps = args.steps if args.steps is not None else spec["steps"]
+    vocab = spec["config"]["vocab_size"]
+    ids, targets = make_tokens(rank, vocab, device)
+    moe = spec["config_class"] == "Qwen3MoeConfig"
+    # MoE: ask for grouped_mm where torch has grouped GEMMs; on failure (to build, or in the first step) the default.
+    candidates = ([("grouped_mm" if hasattr(torch, "_grouped_mm") else None)] + [None]) if moe else [None]
+    candidates = list(dict.fromkeys(candidates))
+    fallback = []
+    for i, impl in enumerate(candidates):
+        try:
+            model, opt, params = build(transformers, model_name, device, impl)
+
+            def step(model=model, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                logits = model(input_ids=ids, use_cache=False).logits
+                loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1))
+                del logits
+                loss.backward()
+                opt.step()
+                return loss
+
+            loss_first = float(step().item())
+            break
+        except (RuntimeError, TypeError, ValueError, ImportError, NotImplementedError, AttributeError) as e:
+            if i + 1 == len(candidates):
+                raise
+            fallback.append(f"{impl}: {first_line(e)}")
+            model = opt = step = None
+            gc_cuda(device)
+    for _ in range(warmup - 1):
+        step()
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    torch.cuda.reset_peak_memory_stats(device)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    loss = None
+    for i in range(steps):
+        marks[i].record()
+        loss = step()
+    marks[-1].record()
+    torch.cuda.synchronize(device)
+    step_ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(steps)]
+    stats = torch.tensor(step_ms + [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # per step the slowest rank; memory the largest rank
+    step_ms, peak, reserved = stats[:steps].tolist(), stats[-2].item(), stats[-1].item()
+    loss_last = float(loss.item())
+
+    ln_v = math.log(vocab)
+    error = ""
+    if not (abs(loss_first - ln_v) < 1.0) or not math.isfinite(loss_last) or loss_last > ln_v + 1.0:
+        error = f"correctness check failed: first loss {loss_first}, last loss {loss_last}, expected about {ln_v}"
+    median_ms = statistics.median(step_ms)
+    tokens_per_step = world * SEQS * SEQ_LEN
+    row = {
+        "bench": bench_name(model_name, world),
+        "us": median_ms * 1e3,
+        "tokens_per_s": tokens_per_step / (median_ms * 1e-3),
+        "peak_gib": peak / GIB,
+        "reserved_gib": reserved / GIB,
+        "tflops": step_flop(model_name) / (median_ms * 1e-3) / 1e12,
+        "mean_us": statistics.fmean(step_ms) * 1e3,
+        "min_us": min(step_ms) * 1e3,
+        "max_us": max(step_ms) * 1e3,
+        "loss_first": loss_first,
+        "loss_last": loss_last,
+        "gpus": world,
+        "tokens_per_step": tokens_per_step,
+        "params": params,
+        "steps": steps,
+        "batch_layout": f"{SEQS} rows x {SEQ_LEN}",
+    }
+    if moe:
+        impl = experts_implementation(model)
+        row.update({"experts_implementation": impl, "grouped_mm": impl == "grouped_mm"})
+        if fallback:
+            row["fallback"] = "; ".join(fallback)
+    if error:
+        row["error"] = error
+    ctx = None
+    if rank == 0:
+        cfg = model.config
+        rope = getattr(cfg, "rope_parameters", None)
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else getattr(cfg, "rope_theta", None)
+        ctx = bench_util.context(argparse.Namespace(warmup=warmup, reps=args.reps, batch=args.batch), device,
+                                 transformers=transformers.__version__,
+                                 nccl=".".join(str(v) for v in torch.cuda.nccl.version()), model=model_name,
+                                 model_class=type(model).__name__, config=spec["config"], rope_theta_effective=theta,
+                                 attn_implementation="sdpa", world_size=world, steps=steps,
+                                 NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE"))
+    del model, opt, step, loss, marks
+    return row, ctx
+
+
+def gc_cuda(device):
+    """Frees what an earlier model left (before the next one is built)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+
+
+def measure(args, record):
+    """Measures the models of --model in turn; record(row, ctx) on rank 0 after each. Returns (rank, failed)."""
+    import torch
+    import torch.distributed as dist
+    import transformers
 
     if "WORLD_SIZE" in os.environ:  # torchrun
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -113,86 +328,20 @@ def measure(args):
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     world, rank = dist.get_world_size(), dist.get_rank()
 
-    cfg = transformers.Qwen3Config(**CONFIG)
-    torch.manual_seed(0)  # the same initial weights on every rank
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    model.train()
-    params = sum(p.numel() for p in model.parameters())  # shared (tied) parameters once
-    assert all(p.dtype == torch.float32 for p in model.parameters()), "the master parameters must be fp32"
-    assert model.lm_head.weight is model.model.embed_tokens.weight, "the embeddings must be tied"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                            fused=True)
-    ids, targets = make_tokens(rank, device)
-    vocab = CONFIG["vocab_size"]
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, use_cache=False).logits
-        loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1))
-        del logits
-        loss.backward()
-        opt.step()
-        return loss
-
-    loss_first = float(step().item())
-    for _ in range(args.warmup - 1):
-        step()
-    torch.cuda.synchronize(device)
-    dist.barrier()
-    torch.cuda.reset_peak_memory_stats(device)
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
-    loss = None
-    for i in range(args.steps):
-        marks[i].record()
-        loss = step()
-    marks[-1].record()
-    torch.cuda.synchronize(device)
-    step_ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(args.steps)]
-    stats = torch.tensor(step_ms + [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # per step the slowest rank; memory the largest rank
-    step_ms, peak, reserved = stats[:args.steps].tolist(), stats[-2].item(), stats[-1].item()
-    loss_last = float(loss.item())
-
-    ln_v = math.log(vocab)
-    error = ""
-    if not (abs(loss_first - ln_v) < 1.0) or not math.isfinite(loss_last) or loss_last > ln_v + 1.0:
-        error = f"correctness check failed: first loss {loss_first}, last loss {loss_last}, expected about {ln_v}"
-    median_ms = statistics.median(step_ms)
-    tokens_per_step = world * SEQS * SEQ_LEN
-    row = {
-        "bench": bench_name(world),
-        "us": median_ms * 1e3,
-        "tokens_per_s": tokens_per_step / (median_ms * 1e-3),
-        "peak_gib": peak / GIB,
-        "reserved_gib": reserved / GIB,
-        "tflops": step_flop() / (median_ms * 1e-3) / 1e12,
-        "mean_us": statistics.fmean(step_ms) * 1e3,
-        "min_us": min(step_ms) * 1e3,
-        "max_us": max(step_ms) * 1e3,
-        "loss_first": loss_first,
-        "loss_last": loss_last,
-        "gpus": world,
-        "tokens_per_step": tokens_per_step,
-        "params": params,
-        "batch_layout": f"{SEQS} rows x {SEQ_LEN}",
-    }
-    if error:
-        row["error"] = error
-    ctx = None
-    if rank == 0:
-        ctx = bench_util.context(args, device, transformers=transformers.__version__,
-                                 nccl=".".join(str(v) for v in torch.cuda.nccl.version()), model=MODEL,
-                                 config=CONFIG, attn_implementation="sdpa", world_size=world, steps=args.steps,
-                                 NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE"))
-    dist.barrier()
+    failed = False
+    for model_name in (list(MODELS) if args.model == "all" else [args.model]):
+        try:
+            row, ctx = measure_model(args, transformers, model_name, device, world, rank)
+        except (RuntimeError, TypeError, ValueError, ImportError, NotImplementedError, AttributeError,
+                AssertionError) as e:  # e.g. no Qwen3-MoE in this transformers, out of memory
+            row, ctx = {"bench": bench_name(model_name, world), "gpus": world, "error": first_line(e)}, None
+        failed |= "error" in row
+        if rank == 0:
+            record(row, ctx)
+        gc_cuda(device)
+        dist.barrier()
     dist.destroy_process_group()
-    return rank, row, ctx
+    return rank, failed
 
 
 def load_rows(path):
@@ -207,12 +356,20 @@ def load_rows(path):
 def print_table(slime, rows):
     """slime: bench_util.gbench_results of bench_fsdp's JSON; rows: this script's rows."""
     torch_rows = {r["bench"]: r for r in rows}
-    print("fsdp: slime Sharded<Qwen3Model, FullShard> vs PyTorch FSDP2 (transformers Qwen3ForCausalLM), "
-          f"{MODEL}, {SEQS} x {SEQ_LEN} tokens per GPU per step (weak scaling)")
+    print("fsdp: slime Sharded<Qwen3Model, FullShard> vs PyTorch FSDP2 (transformers Qwen3ForCausalLM / "
+          f"Qwen3MoeForCausalLM), {SEQS} x {SEQ_LEN} tokens per GPU per step (weak scaling)")
+    for name, spec in MODELS.items():
+        print(f"  {name}: {spec['description']}")
     print("time x = torch / slime step time; tok/s x = slime / torch; mem x = torch / slime peak (> 1: slime better)")
     print(f"{'benchmark':<24} {'slime ms':>9} {'torch ms':>9} {'time x':>7} {'slime tok/s':>12} {'torch tok/s':>12} "
           f"{'tok/s x':>8} {'slime GiB':>10} {'torch GiB':>10} {'mem x':>6}")
-    names = sorted(set(slime) | set(torch_rows), key=lambda n: (len(n), n))
+    order = {name: i for i, name in enumerate(MODELS)}
+
+    def key(n):
+        parts = n.split("/")
+        return (order.get(parts[1], len(order)) if len(parts) > 1 else len(order), len(n), n)
+
+    names = sorted(set(slime) | set(torch_rows), key=key)
     for name in names:
         s, t = slime.get(name), torch_rows.get(name)
         problems = []
@@ -229,22 +386,32 @@ def print_table(slime, rows):
               f"{s['tokens_per_s']:12.0f} {t['tokens_per_s']:12.0f} {s['tokens_per_s'] / t['tokens_per_s']:8.2f} "
               f"{s['peak_gib']:10.2f} {t['peak_gib']:10.2f} {t['peak_gib'] / s['peak_gib']:6.2f}"
               + (f"  ({'; '.join(problems)})" if problems else ""))
-    for side, table in (("slime", slime), ("torch", torch_rows)):
-        one, two = table.get(bench_name(1)), table.get(bench_name(2))
-        if one and two and "tokens_per_s" in one and "tokens_per_s" in two and "error" not in one and "error" not in two:
-            print(f"{side} scaling 1 -> 2 GPUs: tokens/s x {two['tokens_per_s'] / one['tokens_per_s']:.2f} "
-                  f"(2.00 = perfect weak scaling), peak memory per GPU x {two['peak_gib'] / one['peak_gib']:.2f}")
+    for model in MODELS:
+        for side, table in (("slime", slime), ("torch", torch_rows)):
+            one, two = table.get(bench_name(model, 1)), table.get(bench_name(model, 2))
+            if one and two and "tokens_per_s" in one and "tokens_per_s" in two and "error" not in one \
+                    and "error" not in two:
+                print(f"{model} {side} scaling 1 -> 2 GPUs: tokens/s x "
+                      f"{two['tokens_per_s'] / one['tokens_per_s']:.2f} (2.00 = perfect weak scaling), "
+                      f"peak memory per GPU x {two['peak_gib'] / one['peak_gib']:.2f}")
+    impls = {r["bench"]: r["experts_implementation"] + (f" (after: {r['fallback']})" if r.get("fallback") else "")
+             for r in rows if "experts_implementation" in r}
+    for name, impl in sorted(impls.items()):
+        print(f"torch experts implementation, {name}: {impl}")
 
 
 def main():
-    p = bench_util.parser(__doc__, out="torch_fsdp.json", warmup=3, reps=1, batch=1,
-                          out_help="JSON written by rank 0", warmup_help="untimed steps")
-    p.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
+    p = bench_util.parser(__doc__, out="torch_fsdp.json", warmup=None, reps=1, batch=1,
+                          out_help="JSON written by rank 0",
+                          warmup_help="untimed steps (default: dense0.5b 3, moe 2)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps; the median is reported (default: dense0.5b 10, moe 5)")
+    p.add_argument("--model", choices=["all", *MODELS], default="all", help="the model(s) to measure")
     p.add_argument("--append", action="store_true", help="keep --out's rows for other GPU counts")
     p.add_argument("--table", action="store_true", help="only print the table of --slime beside --out")
     p.add_argument("--slime", help="bench_fsdp JSON (Google Benchmark) for the table")
     args = p.parse_args()
-    if args.warmup < 1 or args.steps < 1:
+    if (args.warmup is not None and args.warmup < 1) or (args.steps is not None and args.steps < 1):
         sys.exit("--warmup and --steps must be >= 1")
 
     if args.table:
@@ -257,19 +424,28 @@ def main():
         wrong = [r for r in [*rows, *slime.values()] if "correctness" in r.get("error", "")]
         return 1 if wrong or not rows or not slime else 0
 
-    rank, row, ctx = measure(args)
-    if rank != 0:
-        return 1 if "error" in row else 0
-    print(json.dumps(row), flush=True)
     rows, old_ctx = load_rows(args.out) if args.append else ([], {})
-    rows = [r for r in rows if r.get("bench") != row["bench"]] + [row]
-    rows.sort(key=lambda r: r.get("gpus", 0))
     contexts = dict(old_ctx.get("runs", {})) if args.append else {}
-    contexts[row["bench"]] = ctx
-    bench_util.write_doc(args.out, rows, {**ctx, "runs": contexts})
+    order = {name: i for i, name in enumerate(MODELS)}
+
+    def record(row, ctx):
+        """Rank 0: prints the row and rewrites --out with it (a later timeout keeps the rows so far)."""
+        nonlocal rows
+        print(json.dumps(row), flush=True)
+        rows = [r for r in rows if r.get("bench") != row["bench"]] + [row]
+        rows.sort(key=lambda r: (order.get(r.get("bench", "").split("/")[1] if "/" in r.get("bench", "") else "",
+                                           len(order)), r.get("gpus", 0)))
+        if ctx is not None:
+            contexts[row["bench"]] = ctx
+        last = ctx or next(iter(contexts.values()), {})
+        bench_util.write_doc(args.out, rows, {**last, "runs": contexts})
+
+    rank, failed = measure(args, record)
+    if rank != 0:
+        return 1 if failed else 0
     if args.slime and os.path.exists(args.slime):
         print_table(bench_util.gbench_results(args.slime), rows)
-    return 1 if "error" in row else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
