@@ -1,5 +1,6 @@
 # bench_fsdp: the FSDP train step (forward + token log-probabilities +
-# backward + AdamW) of a ~0.5B dense Qwen3, Sharded<Qwen3Model, FullShard> on
+# backward + AdamW) of a ~0.5B dense Qwen3 and of the Qwen3-MoE benchmark config
+# (32 experts top-4, no expert parallelism), Sharded<Qwen3Model, FullShard> on
 # 1 and 2 GPUs (NcclComm, ranks as threads): tokens/s and peak device memory.
 # PyTorch FSDP2 baseline and the side-by-side table: bench/torch_fsdp2.py (run
 # by tools/gpu-test.sh, 2 GPUs under torchrun).
