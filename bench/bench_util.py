@@ -7,6 +7,14 @@ comparison scripts (bench/compare_*.py).
     time_us(run, warmup, reps, batch)       CUDA-event timing: the median over
                                             batches of batch time / batch, in us
     tflops(flop, us), gbps(nbytes, us)      rates of one call
+    copy_timer(device, warmup, reps, batch) copy_time(nbytes): time_us of a
+                                            device-to-device copy, cached
+    copy_bound_row(name, nbytes, us, copy_us, err, tol, **extra)
+                                            a JSON row with gbps, copy_gbps,
+                                            frac_of_copy and the check verdict
+    run_copy_bound_cases(cases, copy_time, args, tol)
+                                            times (name, nbytes, setup) cases
+                                            against a copy of nbytes // 2
     context(args, device, ...)              the "context" block of the JSON
     write_doc(path, rows, ctx)              {"context": ctx, "results": rows}
     gbench_name(run_name), gbench_results(path or doc)
@@ -77,6 +85,69 @@ def tflops(flop, us):
 
 def gbps(nbytes, us):
     return nbytes / (us * 1e-6) / 1e9
+
+
+def copy_timer(device, warmup, reps, batch, empty_cache=False):
+    """copy_time(nbytes): time_us of one device-to-device copy of nbytes bytes
+    (uint8 tensors made for it and freed after; torch.cuda.empty_cache() after
+    when empty_cache), cached per size."""
+    import torch
+
+    cache = {}
+
+    def copy_time(nbytes):
+        if nbytes not in cache:
+            src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+            cache[nbytes] = time_us(lambda: dst.copy_(src), warmup, reps, batch)
+            del src, dst
+            if empty_cache:
+                torch.cuda.empty_cache()
+        return cache[nbytes]
+
+    return copy_time
+
+
+def copy_bound_row(name, nbytes, us, copy_us, err, tol, **extra):
+    """The JSON row of a memory-bound case timed beside a copy of the same
+    traffic (copy_us: the copy of nbytes // 2); extra keys go after "bytes";
+    "error" is set when err > tol."""
+    rate = gbps(nbytes, us)
+    copy_rate = gbps(nbytes, copy_us)
+    row = {
+        "bench": name,
+        "us": us,
+        "gbps": rate,
+        "copy_gbps": copy_rate,
+        "frac_of_copy": rate / copy_rate,
+        "bytes": nbytes,
+        **extra,
+        "correct": err <= tol,
+    }
+    if err > tol:
+        row["error"] = f"relative error {err:.3g} > {tol}"
+    return row
+
+
+def run_copy_bound_cases(cases, copy_time, args, tol):
+    """For each (name, nbytes, setup) of cases: run, check = setup(); err =
+    check(); time run() (args.warmup, args.reps, args.batch) and a copy of
+    nbytes // 2; print and keep copy_bound_row(.., tol(name)); free the case
+    (torch.cuda.empty_cache()). Returns (rows, failed)."""
+    import torch
+
+    rows, failed = [], False
+    for name, nbytes, setup in cases:
+        run, check = setup()
+        err = check()
+        us = time_us(run, args.warmup, args.reps, args.batch)
+        row = copy_bound_row(name, nbytes, us, copy_time(nbytes // 2), err, tol(name))
+        failed = failed or "error" in row
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del run, check
+        torch.cuda.empty_cache()
+    return rows, failed
 
 
 def context(args, device, cuda=True, **fields):

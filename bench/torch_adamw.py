@@ -78,16 +78,7 @@ def main():
     want = torch.sqrt(sum((gr.double() ** 2).sum() for gr in grads)).item()
     norm_err = abs(norm - want) / want
 
-    copy_us = {}
-
-    def copy_time(nbytes):
-        if nbytes not in copy_us:
-            src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            dst = torch.empty_like(src)
-            copy_us[nbytes] = bench_util.time_us(lambda: dst.copy_(src), args.warmup, args.reps, args.batch)
-            del src, dst
-            torch.cuda.empty_cache()
-        return copy_us[nbytes]
+    copy_time = bench_util.copy_timer(device, args.warmup, args.reps, args.batch, empty_cache=True)
 
     cases = [
         ("adamw/qwen3_0.6b/f32", 28 * n, opt.step, adamw_err, 1e-6),
@@ -97,13 +88,8 @@ def main():
     rows, failed = [], False
     for name, nbytes, run, err, tol in cases:
         us = bench_util.time_us(run, args.warmup, args.reps, args.batch)
-        gbps = bench_util.gbps(nbytes, us)
-        copy_gbps = bench_util.gbps(nbytes, copy_time(nbytes // 2))
-        row = {"bench": name, "us": us, "gbps": gbps, "copy_gbps": copy_gbps, "frac_of_copy": gbps / copy_gbps,
-               "bytes": nbytes, "numel": n, "correct": err <= tol}
-        if err > tol:
-            row["error"] = f"relative error {err:.3g} > {tol}"
-            failed = True
+        row = bench_util.copy_bound_row(name, nbytes, us, copy_time(nbytes // 2), err, tol, numel=n)
+        failed = failed or "error" in row
         rows.append(row)
         print(json.dumps(row), flush=True)
 

@@ -35,7 +35,6 @@ frac_of_copy = GB/s / copy GB/s. Prints one JSON line per op, {"bench", "us",
 Standard library and torch only.
 """
 
-import json
 import os
 import sys
 
@@ -172,40 +171,10 @@ def main():
     args = bench_util.parser(__doc__, out="torch_moe_permute.json", warmup=3, reps=20, batch=5).parse_args()
     device = bench_util.cuda_device()
 
-    copy_us = {}
-
-    def copy_time(nbytes):
-        if nbytes not in copy_us:
-            src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            dst = torch.empty_like(src)
-            copy_us[nbytes] = bench_util.time_us(lambda: dst.copy_(src), args.warmup, args.reps, args.batch)
-            del src, dst
-        return copy_us[nbytes]
-
-    rows, failed = [], False
-    for name, nbytes, setup in make_cases(device):
-        run, check = setup()
-        err = check()
-        tol = 0.0 if name.startswith("moe_layout") else 1e-2  # bf16 roundings
-        us = bench_util.time_us(run, args.warmup, args.reps, args.batch)
-        gbps = bench_util.gbps(nbytes, us)
-        copy_gbps = bench_util.gbps(nbytes, copy_time(nbytes // 2))
-        row = {
-            "bench": name,
-            "us": us,
-            "gbps": gbps,
-            "copy_gbps": copy_gbps,
-            "frac_of_copy": gbps / copy_gbps,
-            "bytes": nbytes,
-            "correct": err <= tol,
-        }
-        if err > tol:
-            row["error"] = f"relative error {err:.3g} > {tol}"
-            failed = True
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del run, check
-        torch.cuda.empty_cache()
+    copy_time = bench_util.copy_timer(device, args.warmup, args.reps, args.batch)
+    # exact for the layout, else bf16 roundings
+    rows, failed = bench_util.run_copy_bound_cases(make_cases(device), copy_time, args,
+                                                   tol=lambda name: 0.0 if name.startswith("moe_layout") else 1e-2)
 
     bench_util.write_doc(args.out, rows, bench_util.context(args, device))
     return 1 if failed else 0

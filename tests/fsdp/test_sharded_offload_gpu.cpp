@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp_gpu_test_util.hpp"
 #include "slime/comm/nccl_comm.hpp"
 #include "slime/core/memory.hpp"
 #include "slime/nn/qwen3.hpp"
@@ -27,21 +28,8 @@
 namespace {
 
 using namespace slime;
-
-[[maybe_unused]] const bool kNvlsOff = (setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0), true);
-
-nn::Qwen3Config config() {
-  nn::Qwen3Config c;
-  c.vocab_size = 1001;
-  c.hidden_size = 192;
-  c.intermediate_size = 320;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 64;
-  c.tie_word_embeddings = false;
-  return c;
-}
+using slime_test::fsdp::config;
+using slime_test::fsdp::rel;
 
 struct Run {
   std::vector<double> losses;
@@ -85,15 +73,6 @@ Run train(comm::Comm& comm, bool offload) {
   out.pinned_bytes = p0 - pinned_memory_stats().current_bytes;
   out.host_bytes = h0 - memory_stats(Device::cpu()).current_bytes;
   return out;
-}
-
-double rel(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    num += double(a[i] - b[i]) * double(a[i] - b[i]);
-    den += double(b[i]) * double(b[i]);
-  }
-  return a.size() == b.size() ? std::sqrt(num / std::max(den, 1e-30)) : 1e30;
 }
 
 }  // namespace

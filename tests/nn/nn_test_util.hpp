@@ -1,18 +1,24 @@
 // Helpers of the nn tests: host copies as double, relative errors, random
 // tensors, finite differences on f32 CPU tensors, and the Qwen3 / Qwen3-MoE
 // golden fixtures (tools/make_qwen3_golden.py, tools/make_qwen3_moe_golden.py)
-// compared against a loaded model.
+// compared against a loaded model; temp dirs, parameter lists, bitwise
+// comparison and the packed sequences of test_qwen3.cpp / test_qwen3_moe.cpp.
 #pragma once
 
 #include <catch2/catch_test_macros.hpp>
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <system_error>
+#include <utility>
 #include <vector>
 
 #include "slime/core/random.hpp"
@@ -221,5 +227,37 @@ inline GoldenErrors run_golden(Device device, DType dtype, const std::filesystem
       e.logprobs, e.entropy, e.loss, e.router_logits, e.aux_loss, e.grad_max, e.worst_grad.c_str());
   return e;
 }
+
+// A fresh directory under the system temp dir (slime_nn_<name>_<pid>),
+// removed with the object.
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string& name)
+      : path(std::filesystem::temp_directory_path() / ("slime_nn_" + name + "_" + std::to_string(::getpid()))) {
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+};
+
+// (name, value) of every parameter, in visiting order.
+inline std::vector<std::pair<std::string, Tensor>> parameters_of(nn::Qwen3Model& m) {
+  std::vector<std::pair<std::string, Tensor>> out;
+  m.for_each_parameter([&](nn::Parameter& p) { out.emplace_back(p.name, p.value); });
+  return out;
+}
+
+// Same dtype, shape and bytes (any devices).
+inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || !(a.shape() == b.shape())) return false;
+  const Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
+  return std::memcmp(ha.data_ptr(), hb.data_ptr(), ha.nbytes()) == 0;
+}
+
+// Three packed sequences (lengths 1, 5, 9) of token ids below 40.
+inline const std::vector<std::vector<int32_t>> kSequences = {{7}, {3, 9, 27, 1, 12}, {30, 2, 5, 6, 7, 8, 9, 10, 11}};
 
 }  // namespace nn_test

@@ -44,34 +44,6 @@ nn::Qwen3Model tiny_model(bool tied = false, uint64_t seed = 1) {
   return m;
 }
 
-// A fresh directory under the system temp dir, removed with the object.
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() / ("slime_nn_" + name + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-std::vector<std::pair<std::string, Tensor>> parameters_of(nn::Qwen3Model& m) {
-  std::vector<std::pair<std::string, Tensor>> out;
-  m.for_each_parameter([&](nn::Parameter& p) { out.emplace_back(p.name, p.value); });
-  return out;
-}
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || !(a.shape() == b.shape())) return false;
-  const Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
-  return std::memcmp(ha.data_ptr(), hb.data_ptr(), ha.nbytes()) == 0;
-}
-
-const std::vector<std::vector<int32_t>> kSequences = {{7}, {3, 9, 27, 1, 12}, {30, 2, 5, 6, 7, 8, 9, 10, 11}};
-
 }  // namespace
 
 TEST_CASE("make_packed_batch packs sequences with cu_seqlens and restarting positions", "[nn]") {

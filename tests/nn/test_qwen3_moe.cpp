@@ -60,31 +60,6 @@ nn::Qwen3Model moe_model(uint64_t seed = 1, float std = 0.2f) {
   return m;
 }
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& name)
-      : path(fs::temp_directory_path() / ("slime_nn_moe_" + name + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
-
-std::vector<std::pair<std::string, Tensor>> parameters_of(nn::Qwen3Model& m) {
-  std::vector<std::pair<std::string, Tensor>> out;
-  m.for_each_parameter([&](nn::Parameter& p) { out.emplace_back(p.name, p.value); });
-  return out;
-}
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || !(a.shape() == b.shape())) return false;
-  const Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
-  return std::memcmp(ha.data_ptr(), hb.data_ptr(), ha.nbytes()) == 0;
-}
-
 void check_identical(nn::Qwen3Model& a, nn::Qwen3Model& b) {
   auto pa = parameters_of(a), pb = parameters_of(b);
   REQUIRE(pa.size() == pb.size());
@@ -94,8 +69,6 @@ void check_identical(nn::Qwen3Model& a, nn::Qwen3Model& b) {
     CHECK(bitwise_equal(pa[i].second, pb[i].second));
   }
 }
-
-const std::vector<std::vector<int32_t>> kSequences = {{7}, {3, 9, 27, 1, 12}, {30, 2, 5, 6, 7, 8, 9, 10, 11}};
 
 Tensor next_token_targets(const std::vector<std::vector<int32_t>>& seqs) {
   std::vector<int32_t> t;
@@ -396,7 +369,7 @@ TEST_CASE("Qwen3Model (MoE): a packed batch gives each sequence's outputs as if 
 }
 
 TEST_CASE("save_hf / load_hf (MoE): one tensor per expert, bit-exact round trips", "[nn][moe][checkpoint]") {
-  TempDir dir("roundtrip"), sharded("sharded"), bf16("bf16");
+  TempDir dir("moe_roundtrip"), sharded("moe_sharded"), bf16("moe_bf16");
   nn::Qwen3Model model = moe_model(6);
   nn::save_hf(model, dir.path);
   const io::SafetensorsDir files(dir.path);
@@ -439,7 +412,7 @@ TEST_CASE("save_hf / load_hf (MoE): one tensor per expert, bit-exact round trips
 }
 
 TEST_CASE("load_hf (MoE): a model holding an expert slice loads only its experts", "[nn][moe][checkpoint]") {
-  TempDir dir("slice");
+  TempDir dir("moe_slice");
   nn::Qwen3Model full = moe_model(8);
   nn::save_hf(full, dir.path);
   // What an expert-parallel rank of degree 2 holds: experts [2, 4).
@@ -459,13 +432,13 @@ TEST_CASE("load_hf (MoE): a model holding an expert slice loads only its experts
     const Tensor want = a[i].first.find("{}") == std::string::npos ? a[i].second : a[i].second.slice_rows(2, 2);
     CHECK(bitwise_equal(b[i].second, want));
   }
-  TempDir out("slice_save");
+  TempDir out("moe_slice_save");
   CHECK_THROWS_WITH(nn::save_hf(rank1, out.path),
                     ContainsSubstring("holds experts [2, 4) of 4") && ContainsSubstring("gather the experts"));
 }
 
 TEST_CASE("load_hf (MoE) names missing, unexpected and misshaped experts", "[nn][moe][checkpoint]") {
-  TempDir dir("errors");
+  TempDir dir("moe_errors");
   nn::Qwen3Model model = moe_model(9);
   nn::save_hf(model, dir.path);
   const fs::path file = dir.path / "model.safetensors";
@@ -513,7 +486,7 @@ TEST_CASE("load_hf (MoE) names missing, unexpected and misshaped experts", "[nn]
     dense.moe_intermediate_size = 0;
     nn::Qwen3Model d(dense, {});
     d.init_random(1);
-    TempDir other("dense");
+    TempDir other("moe_dense");
     nn::save_hf(d, other.path);
     fs::copy_file(dir.path / "config.json", other.path / "config.json", fs::copy_options::overwrite_existing);
     CHECK_THROWS_WITH(nn::load_hf(other.path), ContainsSubstring("missing") &&
@@ -532,7 +505,7 @@ TEST_CASE("the MoE golden fixture is a Hugging Face directory slime reads", "[nn
   CHECK(c.head_dim == 64);
   CHECK_FALSE(c.is_sparse_layer(0));
   CHECK(c.is_sparse_layer(1));
-  TempDir dir("golden");
+  TempDir dir("moe_golden");
   nn::Qwen3Model model = nn::load_hf(golden_dir("qwen3_moe_tiny"));
   nn::save_hf(model, dir.path);
   nn::Qwen3Model again = nn::load_hf(dir.path);

@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "slime/comm/detail_time.hpp"
 #include "slime/core/error.hpp"
 
 namespace slime::comm {
@@ -208,11 +209,6 @@ inline std::string errno_text(int err) { return std::system_category().message(e
 inline std::string endpoint(const std::string& host, int port) {
   if (host.find(':') != std::string::npos) return "[" + host + "]:" + std::to_string(port);
   return host + ":" + std::to_string(port);
-}
-
-inline std::string format_duration(std::chrono::milliseconds d) {
-  if (d.count() % 1000 == 0) return std::to_string(d.count() / 1000) + " s";
-  return std::to_string(d.count()) + " ms";
 }
 
 // "2", "2, 3", "2-9, 12": runs of three or more collapse so that a timeout at thousands of

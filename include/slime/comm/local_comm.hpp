@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "slime/comm/comm.hpp"
+#include "slime/comm/detail_time.hpp"
 
 namespace slime::comm {
 
@@ -106,12 +107,6 @@ inline std::string_view local_op_name(LocalOp op) {
       return "recv";
   }
   return "?";
-}
-
-// "300 ms", "1 s".
-inline std::string format_duration(std::chrono::milliseconds d) {
-  if (d.count() % 1000 == 0) return std::to_string(d.count() / 1000) + " s";
-  return std::to_string(d.count()) + " ms";
 }
 
 // "rank 2" or "ranks 2, 3".

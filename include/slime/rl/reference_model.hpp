@@ -27,6 +27,7 @@
 
 #include "slime/core/tensor.hpp"
 #include "slime/nn/module.hpp"
+#include "slime/nn/offload.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
 
@@ -53,14 +54,12 @@ class ReferenceModel {
     SLIME_CHECK(config_.update_every >= 0, "ReferenceModel: update_every must be >= 0 (0: never), got ",
                 config_.update_every);
     model_.for_each_parameter([&](nn::Parameter& p) { names_.push_back(p.name); });
-    host_.resize(names_.size());
-    host_current_.assign(names_.size(), false);
     update_from(policy, stream);
     if (config_.offload) offload(stream);
   }
 
   const ReferenceModelConfig& config() const { return config_; }
-  bool is_offloaded() const { return offloaded_; }
+  bool is_offloaded() const { return offload_.offloaded(); }
   // The wrapped model (its parameters are undefined while offloaded).
   Model& model() { return model_; }
 
@@ -68,30 +67,14 @@ class ReferenceModel {
   // reused); the device copies are freed. Waits for the copies. No-op when
   // already offloaded. On a CPU model "pinned" is page-locked host memory
   // when a GPU exists, plain host memory otherwise: a copy either way.
-  void offload(const Stream& stream = {}) {
-    if (offloaded_) return;
-    std::size_t i = 0;
-    model_.for_each_parameter([&](nn::Parameter& p) {
-      if (!host_[i].defined()) host_[i] = Tensor::empty_pinned(p.value.shape(), p.value.dtype());
-      if (!host_current_[i]) host_[i].copy_from(p.value, stream);
-      host_current_[i] = true;
-      ++i;
-    });
-    synchronize(stream);
-    model_.for_each_parameter([&](nn::Parameter& p) { p.value = Tensor{}; });
-    offloaded_ = true;
-  }
+  // (nn::ParameterOffload, frozen: only weights changed by update_from since
+  // the last offload are copied.)
+  void offload(const Stream& stream = {}) { offload_.offload(model_, stream); }
 
   // Parameters back to the model's device (fresh allocations, ordered on
   // `stream`). The pinned copies stay, so the next offload copies nothing
   // unless update_from changed the weights. No-op when on the device.
-  void onload(const Stream& stream = {}) {
-    if (!offloaded_) return;
-    const Device d = model_.device();
-    std::size_t i = 0;
-    model_.for_each_parameter([&](nn::Parameter& p) { p.value = host_[i++].to(d, stream); });
-    offloaded_ = false;
-  }
+  void onload(const Stream& stream = {}) { offload_.onload(model_, model_.device(), stream); }
 
   // Copies the policy's weights into the reference (bitwise), where they live
   // now: on the device, or into the pinned copies when offloaded. The policy
@@ -101,20 +84,21 @@ class ReferenceModel {
     policy.for_each_parameter([&](nn::Parameter& p) { src.push_back(&p); });
     SLIME_CHECK(src.size() == names_.size(), "ReferenceModel::update_from: the policy has ", src.size(),
                 " parameters, the reference ", names_.size(), " (a different config?)");
+    const bool offloaded = offload_.offloaded();
+    if (!offloaded) offload_.mark_stale();  // the device weights change: the pinned copies are old
     std::size_t i = 0;
     model_.for_each_parameter([&](nn::Parameter& p) {
       const nn::Parameter& s = *src[i];
       SLIME_CHECK(s.name == names_[i], "ReferenceModel::update_from: parameter ", i, " is '", s.name,
                   "' in the policy, '", names_[i], "' in the reference");
       SLIME_CHECK(s.value.defined(), "ReferenceModel::update_from: the policy's '", s.name, "' has no value");
-      Tensor& dst = offloaded_ ? host_[i] : p.value;
+      Tensor& dst = offloaded ? offload_.host_value(i) : p.value;
       SLIME_CHECK(dst.dtype() == s.value.dtype() && dst.shape() == s.value.shape(), "ReferenceModel::update_from: '",
                   s.name, "' is ", s.value.str(), " in the policy, ", dst.str(), " in the reference");
       dst.copy_from(s.value, stream);
-      host_current_[i] = offloaded_;
       ++i;
     });
-    if (offloaded_) synchronize(stream);  // pinned destinations: readable on return
+    if (offloaded) synchronize(stream);  // pinned destinations: readable on return
   }
 
   // True when optimizer step `step` (1-based) is one after which the policy
@@ -134,7 +118,7 @@ class ReferenceModel {
   // parameters must be on the device (onload first).
   Tensor logprobs(const nn::PackedBatch& batch, const Tensor& targets, float temperature = 1.f,
                   const Stream& stream = {}) {
-    SLIME_CHECK(!offloaded_,
+    SLIME_CHECK(!offload_.offloaded(),
                 "ReferenceModel::logprobs: the parameters are offloaded to pinned host memory; call "
                 "onload() before scoring (and offload() after)");
     typename Model::Context ctx;
@@ -148,7 +132,7 @@ class ReferenceModel {
                                float temperature = 1.f, const Stream& stream = {}) {
     SLIME_CHECK(batches.size() == targets.size(), "ReferenceModel::logprobs: ", batches.size(), " micro-batches but ",
                 targets.size(), " target tensors");
-    const bool was_offloaded = offloaded_;
+    const bool was_offloaded = offload_.offloaded();
     onload(stream);
     std::vector<Tensor> out;
     out.reserve(batches.size());
@@ -167,9 +151,9 @@ class ReferenceModel {
   ReferenceModelConfig config_;
   Model model_;
   std::vector<std::string> names_;
-  std::vector<Tensor> host_;        // pinned copies, one per parameter (in visiting order)
-  std::vector<bool> host_current_;  // host_[i] holds the current weights
-  bool offloaded_ = false;
+  // Pinned copies, one per parameter (in visiting order); the values are
+  // released while offloaded.
+  nn::ParameterOffload offload_{nn::ParameterOffload::Options{.release_values = true, .frozen = true}};
 };
 
 }  // namespace slime::rl
