@@ -2,7 +2,7 @@
 // templates (see trainer.hpp for the step). With no arguments it trains the
 // built-in tiny Qwen3-MoE on the built-in "successor" task with 2 ranks: on
 // the CPU (threads, LocalComm) where there is no GPU, on CUDA (one GPU per
-// rank, NCCL) where there is. Under torchrun / mpirun / srun (WORLD_SIZE set)
+// rank, NCCL) where there is. Under torchrun / mpirun / srun
 // each process is one rank on its GPU.
 //
 // At the end rank 0 prints whether it learned: the mean reward of the last 10
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "options.hpp"
+#include "slime/comm/bootstrap.hpp"
 #include "slime/comm/local_comm.hpp"
 #include "slime/comm/nccl_comm.hpp"
 #include "trainer.hpp"
@@ -64,13 +65,16 @@ int main(int argc, char** argv) {
     o.samples_per_prompt = 4;
   }
   try {
-    const bool launched = std::getenv("WORLD_SIZE") != nullptr;
+    // One process per rank under torchrun, mpirun (OpenMPI) or srun (Slurm).
+    const comm::ProcessInfo proc = comm::process_info_from_env();
+    const bool launched = proc.launcher != "single";
     bool cuda = o.device == "cuda" || (o.device == "auto" && cuda_device_count() > 0);
     SLIME_CHECK(o.device == "auto" || o.device == "cpu" || o.device == "cuda", "--device '", o.device,
                 "': expected auto, cpu or cuda");
     std::vector<StepReport> reports;
     if (launched) {
-      SLIME_CHECK(cuda, "one process per rank (WORLD_SIZE is set) needs CUDA and NCCL; on the CPU use --ranks");
+      SLIME_CHECK(cuda, "one process per rank (started by ", proc.launcher,
+                  ") needs CUDA and NCCL; on the CPU run one process with --ranks");
 #if SLIME_HAS_CUDA
       auto comm = comm::NcclComm::from_env();
       reports = run_rank(o, *comm, comm->device());
@@ -93,7 +97,7 @@ int main(int argc, char** argv) {
           o.ranks, [&](comm::Comm& comm) { per_rank[std::size_t(comm.rank())] = run_rank(o, comm, Device::cpu()); });
       reports = per_rank[0];
     }
-    if (!reports.empty() && (!launched || std::atoi(std::getenv("RANK") ? std::getenv("RANK") : "0") == 0)) {
+    if (!reports.empty() && proc.rank == 0) {
       const std::size_t k = std::min<std::size_t>(10, reports.size() / 2);
       const double first = mean_reward(reports, 0, k), last = mean_reward(reports, reports.size() - k, reports.size());
       fmt::print("mean reward: first {} steps {:.3f}, last {} steps {:.3f} ({:+.3f}); learned (>= +0.1): {}\n", k,
