@@ -194,7 +194,7 @@ class Trainer {
         progress->update(step + 1, {{"reward", value(m, "reward")},
                                     {"loss", value(m, "loss")},
                                     {"kl", value(m, "kl")},
-                                    {"tis_w", value(m, "is_mean_weight")},
+                                    {"tis_w", value(m, "importance_weight_mean")},
                                     {"tok/s", value(m, "tokens_per_s")}});
       }
       const bool last = step + 1 == o_.steps;
@@ -351,8 +351,8 @@ class Trainer {
                      {"kl", sums[4]},
                      {"entropy", sums[5]},
                      {"clip_fraction", sums[6]},
-                     {"is_mean_weight", sums[8] > 0 ? sums[7] / sums[8] : 1.0},
-                     {"is_clip_fraction", sums[10] > 0 ? sums[9] / sums[10] : 0.0},
+                     {"importance_weight_mean", sums[8] > 0 ? sums[7] / sums[8] : 1.0},
+                     {"importance_clip_fraction", sums[10] > 0 ? sums[9] / sums[10] : 0.0},
                      {"kl_rollout_k3", sums[10] > 0 ? sums[11] / sums[10] : 0.0},
                      {"tokens", sums[12]},
                      {"response_length", sums[13] / sums[1]},
