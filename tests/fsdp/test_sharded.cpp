@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "sharded_test_util.hpp"
 #include "slime/comm/local_comm.hpp"
 #include "slime/comm/mesh.hpp"
 #include "slime/core/memory.hpp"
@@ -34,6 +35,11 @@ using parallel::HybridShard;
 using parallel::NoShard;
 using parallel::Sharded;
 using parallel::ShardGradOp;
+using slime_test::fsdp::error_of;
+using slime_test::fsdp::max_rel_diff;
+using slime_test::fsdp::micro_batch;
+using slime_test::fsdp::MicroBatch;
+using slime_test::fsdp::Params;
 
 namespace {
 
@@ -64,29 +70,6 @@ nn::Qwen3Model make_model(const nn::Qwen3Config& c, uint64_t seed = 7) {
   return m;
 }
 
-// The micro-batch (step, rank, mb): a few sequences of varying length and
-// their next-token targets.
-struct MicroBatch {
-  nn::PackedBatch batch;
-  Tensor targets;
-};
-MicroBatch micro_batch(int step, int rank, int mb, int64_t vocab) {
-  std::vector<std::vector<int32_t>> seqs;
-  std::vector<int32_t> targets;
-  const int nseq = 1 + (rank + mb) % 3;
-  for (int s = 0; s < nseq; ++s) {
-    const int len = 2 + (step * 5 + rank * 3 + mb * 7 + s * 11) % 6;
-    std::vector<int32_t> seq;
-    for (int i = 0; i < len; ++i) seq.push_back(int32_t((step * 13 + rank * 17 + mb * 5 + s * 3 + i * 7) % vocab));
-    for (int i = 0; i < len; ++i) targets.push_back(int32_t((seq[std::size_t(i)] * 3 + 1) % vocab));
-    seqs.push_back(seq);
-  }
-  MicroBatch m;
-  m.batch = nn::make_packed_batch(seqs);
-  m.targets = Tensor::from_vector(targets, {int64_t(targets.size())});
-  return m;
-}
-
 struct RunConfig {
   int ranks = 1;
   int micro_batches = 1;
@@ -105,8 +88,6 @@ int64_t global_tokens(const RunConfig& rc, int step) {
     for (int m = 0; m < rc.micro_batches; ++m) n += micro_batch(step, r, m, 37).batch.num_tokens();
   return n;
 }
-
-using Params = std::map<std::string, std::vector<float>>;
 
 // The unwrapped model trained on every rank's micro-batches in turn.
 Params reference_run(const RunConfig& rc, std::vector<double>* losses = nullptr) {
@@ -168,24 +149,6 @@ Params sharded_run(const RunConfig& rc) {
     train(sh, rc, comm.rank(), comm.size(), comm.rank() == 0 ? &out : nullptr, nullptr);
   });
   return out;
-}
-
-double max_rel_diff(const Params& a, const Params& b) {
-  REQUIRE(a.size() == b.size());
-  double worst = 0;
-  for (const auto& [name, va] : a) {
-    INFO(name);
-    REQUIRE(b.count(name) == 1);
-    const auto& vb = b.at(name);
-    REQUIRE(va.size() == vb.size());
-    double num = 0, den = 0;
-    for (std::size_t i = 0; i < va.size(); ++i) {
-      num += double(va[i] - vb[i]) * double(va[i] - vb[i]);
-      den += double(vb[i]) * double(vb[i]);
-    }
-    worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
-  }
-  return worst;
 }
 
 bool bitwise_equal(const Params& a, const Params& b) {
@@ -599,18 +562,6 @@ TEST_CASE("Sharded checkpoint access: local shards tile each parameter, load_par
   });
   CHECK(bitwise_equal(reloaded, want));
 }
-
-namespace {
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-}  // namespace
 
 TEST_CASE("Sharded: bad input gives clear errors", "[fsdp]") {
   auto group = comm::LocalComm::create_group(1);

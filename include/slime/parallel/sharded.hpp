@@ -37,13 +37,30 @@
 // GradientSync::every_micro_batch reduces in every backward (less memory,
 // more communication).
 //
-// Composition with ExpertParallel (extension point): a module whose
-// ShardingUnits mark a unit ShardGroup::expert will have that unit sharded
-// over the data-parallel ranks inside its expert group (an expert shard Comm
-// given next to the dense one); the flat-shard machinery is unchanged.
-// Qwen3-MoE models without expert parallelism shard like dense ones (the
-// stacked expert weights are parameters of their layer's unit); with
-// ExpertParallel of degree > 1 they are rejected with an error until then.
+// Composition with ExpertParallel: on a Mesh with ep > 1 (the model built
+// with an ExpertParallel over the mesh's ep axis), every rank holds the same
+// dense parameters and its ep slice of the experts. ShardingUnits mark the
+// expert stacks of each sparse layer as a unit of their own
+// (ShardGroup::expert, see sharding_units.hpp: a layer is then two units, its
+// dense one and its expert one, each with its own flat buffers). Dense units
+// shard over the flattened dp_shard x ep group (Mesh::flatten; gradients
+// reduce over every rank); expert units over dp_shard only (the ranks holding
+// the same slice; gradients reduce over those: under EP the all_to_all inside
+// the block already brings every ep rank's tokens to the expert, so with the
+// split-invariant global normaliser and gradient_reduce = sum the result is
+// the unsharded gradient). HybridShard replicates both over dp_replicate;
+// NoShard replicates dense units over dp x ep and expert units over dp. With
+// gradient_reduce = avg, expert gradients are also divided by ep (the avg
+// over the expert group divides by dp only), so both kinds are divided by
+// the number of data-parallel ranks. The grad norm adds the expert shards
+// over dp_shard x ep (every expert element lives on one rank there).
+// Checkpoint access sees an expert stack as this ep rank's slice: its shape
+// is [E_local, ...] (the module's parameter), gather_parameter gathers over
+// dp_shard and returns the slice, load_parameter takes the slice, and
+// parameter_first_expert(name) / LocalShard::first_expert give the global
+// index of its first expert (the HF names: nn::Parameter::expert_name).
+// Without expert parallelism (or ep = 1) Qwen3-MoE models shard like dense
+// ones (the stacked expert weights are parameters of their layer's unit).
 //
 // CPU offload (ShardedOptions::cpu_offload): the master shards live in pinned
 // host memory and the AdamW moments in (pageable) host memory: they never
@@ -61,6 +78,7 @@
 // are then host tensors; gather_parameter returns a device tensor as before.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -94,6 +112,10 @@ struct LocalShard {
   const Shape& shape;
   int64_t begin = 0, end = 0;
   Tensor master;  // [end - begin] view into the master shard (policy.master dtype)
+  // Stacked expert weights under expert parallelism: `shape` is this ep
+  // rank's slice [E_local, ...], whose entry i is global expert first_expert + i.
+  bool expert = false;
+  int64_t first_expert = 0;
 };
 
 template <class Module, ShardingStrategy Strategy = FullShard>
@@ -103,19 +125,21 @@ class Sharded {
   using Context = typename Units::Context;
 
   // FullShard / ShardGradOp shard over `comm`; NoShard replicates over it.
-  // HybridShard needs the two groups of a Mesh (see below).
+  // HybridShard needs the two groups of a Mesh (see below), and so does a
+  // model with ExpertParallel of degree > 1.
   Sharded(Module module, comm::Comm& comm, ShardedOptions options = {},
           optim::AdamWConfig adamw = {}) requires(!std::is_same_v<Strategy, HybridShard>)
-      : Sharded(std::move(module), Strategy::shards ? &comm : nullptr, Strategy::shards ? nullptr : &comm, options,
-                adamw) {}
+      : Sharded(std::move(module), comm_groups(comm), options, adamw) {}
 
   // On a mesh: HybridShard shards over dp_shard and replicates over
   // dp_replicate; FullShard / ShardGradOp shard over dp_shard (dp_replicate
   // must be 1: use HybridShard); NoShard replicates over the one of the two
-  // axes that is not 1. cp and ep must be 1 (context parallelism and the
-  // expert groups are extension points, see the top of this file).
+  // axes that is not 1. With ep > 1 (the model's ExpertParallel over the ep
+  // axis) dense units take that data-parallel axis times ep and expert units
+  // the data-parallel axis alone (see the top of this file). Collective over
+  // the mesh's world when ep > 1 (it flattens dp x ep). cp must be 1.
   Sharded(Module module, const comm::Mesh& mesh, ShardedOptions options = {}, optim::AdamWConfig adamw = {})
-      : Sharded(std::move(module), mesh_shard_comm(mesh), mesh_replicate_comm(mesh), options, adamw) {}
+      : Sharded(std::move(module), mesh_groups(mesh), options, adamw) {}
 
   Sharded(const Sharded&) = delete;
   Sharded& operator=(const Sharded&) = delete;
@@ -138,10 +162,15 @@ class Sharded {
   const ShardedOptions& options() const { return options_; }
   Device device() const { return device_; }
   DType compute_dtype() const { return compute_dtype_; }
-  // Ranks a parameter is split over, and ranks it is replicated over.
+  // Ranks a (dense) parameter is split over, and ranks it is replicated over.
   int shard_world() const { return shard_comm_ ? shard_comm_->size() : 1; }
   int replicate_world() const { return replicate_comm_ ? replicate_comm_->size() : 1; }
   int shard_rank() const { return shard_comm_ ? shard_comm_->rank() : 0; }
+  // The same for expert parameters (expert units; the dense values without them).
+  int expert_shard_world() const { return expert_shard_comm_ ? expert_shard_comm_->size() : 1; }
+  int expert_replicate_world() const { return expert_replicate_comm_ ? expert_replicate_comm_->size() : 1; }
+  // Whether unit u shards over the expert group (ShardGroup::expert).
+  bool is_expert_unit(std::size_t u) const { return units_.at(u).group == ShardGroup::expert; }
   std::size_t num_units() const { return units_.size(); }
   const std::string& unit_name(std::size_t u) const { return units_.at(u).name; }
   const FlatShardLayout& unit_layout(std::size_t u) const { return units_.at(u).layout; }
@@ -226,7 +255,7 @@ class Sharded {
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
     for (Unit& u : units_) {
-      if (!direct_grads_ && u.full_grad.defined()) release_full_grad(u, s);
+      if (!u.direct_grads && u.full_grad.defined()) release_full_grad(u, s);
       u.grad_shard.zero_(s);
     }
     grads_zeroed_.record(s);
@@ -235,12 +264,12 @@ class Sharded {
   }
 
   // The 2-norm of the gradient over all shards (one all-reduce over the shard
-  // group; replicas hold equal gradients). A host synchronisation.
+  // group; replicas hold equal gradients; NoShard with expert units: a second
+  // one over ep). A host synchronisation.
   double grad_norm(const Stream& stream = {}) {
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
-    const std::vector<Tensor> grads = grad_shards();
-    return optim::global_grad_norm(grads, shard_comm_, s);
+    return global_norm(s);
   }
 
   // AdamW on the master shards (refreshing the compute shards). With
@@ -252,8 +281,7 @@ class Sharded {
                 " micro-batches: the gradients are not reduced yet (set_micro_batches)");
     wait_for_reductions(s);
     // Gathered parameters go stale with the update.
-    for (std::size_t i = 0; i < units_.size(); ++i)
-      if (!aliased_params_) release_gathered(i, s);
+    for (std::size_t i = 0; i < units_.size(); ++i) release_gathered(i, s);
     std::vector<Tensor> params, grads = grad_shards(), copies;
     for (Unit& u : units_) {
       params.push_back(u.master);
@@ -262,7 +290,7 @@ class Sharded {
     std::optional<double> norm;
     float scale = 1.f;
     if (max_grad_norm > 0) {
-      norm = optim::global_grad_norm(grads, shard_comm_, s);
+      norm = global_norm(s);
       scale = optim::clip_coefficient(*norm, max_grad_norm);
     }
     if (offload_) {
@@ -293,11 +321,16 @@ class Sharded {
   // f(const LocalShard&) for every parameter, in the module's unit order.
   template <class F>
   void for_each_local_shard(F&& f) {
-    const int r = shard_rank();
-    for (Unit& u : units_)
-      for (const FlatShardEntry& e : u.layout.entries())
-        f(LocalShard{e.name, e.shape, e.begin(r), e.end(r),
-                     u.master.view(e.shard_offset, Shape{e.end(r) - e.begin(r)})});
+    for (Unit& u : units_) {
+      const int r = unit_rank(u);
+      const bool expert = u.group == ShardGroup::expert;
+      const auto& es = u.layout.entries();
+      for (std::size_t i = 0; i < es.size(); ++i) {
+        const FlatShardEntry& e = es[i];
+        f(LocalShard{e.name, e.shape, e.begin(r), e.end(r), u.master.view(e.shard_offset, Shape{e.end(r) - e.begin(r)}),
+                     expert, expert ? u.params[i]->first_expert : 0});
+      }
+    }
   }
 
   // Names of the parameters, in unit order (the order of for_each_local_shard).
@@ -308,25 +341,37 @@ class Sharded {
     return names;
   }
 
-  // The full (unsharded) shape of one parameter.
+  // The full (unsharded) shape of one parameter (of an expert stack under
+  // expert parallelism: this ep rank's slice [E_local, ...]).
   const Shape& parameter_shape(std::string_view name) const {
     const auto [u, i] = find(name);
     return units_[u].layout.entries()[i].shape;
   }
 
-  // The full master-dtype value of one parameter on every rank of the shard
+  // Whether `name` is an expert stack sharded over the expert group, and the
+  // global index of its first expert on this rank (0 for other parameters).
+  bool is_expert_parameter(std::string_view name) const { return units_[find(name).first].group == ShardGroup::expert; }
+  int64_t parameter_first_expert(std::string_view name) const {
+    const auto [u, i] = find(name);
+    return units_[u].group == ShardGroup::expert ? units_[u].params[i]->first_expert : 0;
+  }
+
+  // The full master-dtype value of one parameter on every rank of its shard
   // group (one all-gather of that parameter only, so an export streams the
   // model one tensor at a time). Collective over the shard group: every rank
-  // calls it with the same names in the same order.
+  // calls it with the same names in the same order (the dense group, or for
+  // an expert stack the expert group, which returns this ep rank's slice
+  // [E_local, ...]; every rank takes part in both kinds, so calling it for
+  // every name of parameter_names() on every rank is always right).
   Tensor gather_parameter(std::string_view name, const Stream& stream = {}) {
     const Stream s = compute_stream(stream);
     const auto [u, i] = find(name);
     const FlatShardEntry& e = units_[u].layout.entries()[i];
     Tensor piece = units_[u].master.view(e.shard_offset, Shape{e.piece});
     if (piece.device() != device_) piece = piece.to(device_, s);  // offloaded master: via the device
-    Tensor all = Tensor::empty({e.piece * shard_world()}, master_dtype_, device_, s);
-    if (shard_comm_) {
-      shard_comm_->all_gather(piece, all, s);
+    Tensor all = Tensor::empty({e.piece * units_[u].layout.world()}, master_dtype_, device_, s);
+    if (units_[u].shard) {
+      units_[u].shard->all_gather(piece, all, s);
     } else {
       all.copy_from(piece, s);
     }
@@ -334,7 +379,8 @@ class Sharded {
   }
 
   // Sets one parameter from its full value (any dtype ops::cast takes, the
-  // parameter's shape, on this device): this rank keeps its rows. Local, no
+  // parameter's shape, on this device; an expert stack under expert
+  // parallelism: this ep rank's slice): this rank keeps its rows. Local, no
   // communication; call it on every rank (e.g. loading a checkpoint written
   // with another number of ranks).
   void load_parameter(std::string_view name, const Tensor& full, const Stream& stream = {}) {
@@ -353,6 +399,12 @@ class Sharded {
   struct Unit {
     std::string name;
     std::vector<nn::Parameter*> params;
+    ShardGroup group = ShardGroup::dense;
+    comm::Comm* shard = nullptr;      // null: one rank per shard group
+    comm::Comm* replicate = nullptr;  // null: no replicas
+    bool aliased = false;             // gathered buffer = compute shard (shard group of one)
+    bool direct_grads = false;        // gradients accumulate straight into the grad shard
+    float grad_scale = 1.f;           // applied after the reduction (expert units with avg: 1 / ep)
     FlatShardLayout layout;
     Tensor master, compute, grad_shard;
     Tensor host_grad, host_compute;  // cpu_offload only: pinned staging shards (f32, compute dtype)
@@ -387,13 +439,30 @@ class Sharded {
     }
   };
 
-  Sharded(Module module, comm::Comm* shard, comm::Comm* replicate, const ShardedOptions& options,
-          const optim::AdamWConfig& adamw)
+  // The communicators of the two kinds of units. `ep`: the degree of the
+  // ep axis the expert groups assume (0: none given, expert units refused).
+  struct Groups {
+    comm::Comm *shard = nullptr, *replicate = nullptr;                // dense units
+    comm::Comm *expert_shard = nullptr, *expert_replicate = nullptr;  // expert units
+    comm::Comm* expert_norm = nullptr;        // every expert element on one rank (the grad norm)
+    std::unique_ptr<comm::Comm> owned_dense;  // a flattened dp x ep group
+    int ep = 0;
+  };
+
+  static comm::Comm* nontrivial(comm::Comm* c) { return c && c->size() > 1 ? c : nullptr; }
+
+  Sharded(Module module, Groups groups, const ShardedOptions& options, const optim::AdamWConfig& adamw)
       : module_(std::make_unique<Module>(std::move(module))),
         options_(options),
-        shard_comm_(shard && shard->size() > 1 ? shard : nullptr),
-        replicate_comm_(replicate && replicate->size() > 1 ? replicate : nullptr),
+        owned_dense_comm_(std::move(groups.owned_dense)),
+        shard_comm_(nontrivial(groups.shard)),
+        replicate_comm_(nontrivial(groups.replicate)),
+        expert_shard_comm_(nontrivial(groups.expert_shard)),
+        expert_replicate_comm_(nontrivial(groups.expert_replicate)),
+        expert_norm_comm_(nontrivial(groups.expert_norm)),
         adamw_(adamw) {
+    comm::Comm* const shard = groups.shard;
+    comm::Comm* const replicate = groups.replicate;
     std::vector<ShardingUnit> units = Units::units(*module_);
     SLIME_CHECK(!units.empty(), "Sharded: the module has no sharding units");
     lm_head_unit_ = Units::lm_head_unit(*module_);
@@ -402,8 +471,15 @@ class Sharded {
     const nn::Parameter* first = nullptr;
     std::unordered_map<const nn::Parameter*, std::string> seen;
     for (const ShardingUnit& su : units) {
-      SLIME_CHECK(su.group == ShardGroup::dense, "Sharded: unit '", su.name,
-                  "' shards over an expert group, which needs ExpertParallel (not composed yet)");
+      if (su.group == ShardGroup::expert) {
+        SLIME_CHECK(groups.ep > 0, "Sharded: unit '", su.name, "' holds expert weights of an ExpertParallel of degree ",
+                    su.ep_degree, "; build Sharded from a comm::Mesh whose ep axis is the ExpertParallel's group ",
+                    "(expert weights shard over dp_shard, dense ones over dp_shard x ep)");
+        SLIME_CHECK(su.ep_degree == groups.ep, "Sharded: unit '", su.name, "' holds expert weights of an ",
+                    "ExpertParallel of degree ", su.ep_degree, " but the mesh has ep = ", groups.ep,
+                    "; build the model's ExpertParallel over the mesh's ep axis");
+        has_expert_units_ = true;
+      }
       for (const nn::Parameter* p : su.params) {
         SLIME_CHECK(p != nullptr && p->value.defined(), "Sharded: unit '", su.name, "' has a parameter ",
                     p ? "'" + p->name + "' " : std::string(), "without a value (was the module already sharded?)");
@@ -419,7 +495,7 @@ class Sharded {
     SLIME_CHECK(first != nullptr, "Sharded: the module has no parameters");
     device_ = first->value.device();
     const DType module_dtype = first->value.dtype();
-    for (comm::Comm* c : {shard, replicate})
+    for (comm::Comm* c : {shard, replicate, groups.expert_shard, groups.expert_replicate, groups.expert_norm})
       if (c)
         SLIME_CHECK(c->device() == device_, "Sharded: the communicator works on ", c->device(),
                     " but the module's parameters are on ", device_);
@@ -435,8 +511,6 @@ class Sharded {
                 dtype_name(mp.reduce));
     offload_ = options_.cpu_offload;
     separate_compute_ = master_dtype_ != compute_dtype_ || offload_;
-    aliased_params_ = shard_comm_ == nullptr;
-    direct_grads_ = shard_comm_ == nullptr && replicate_comm_ == nullptr;
     comm_stream_ = device_.is_cuda() ? Stream::create(device_) : Stream{};
     last_stream_ = Stream::default_for(device_);
     grads_reduced_ = Event(device_, false);
@@ -454,9 +528,16 @@ class Sharded {
       Unit u;
       u.name = su.name;
       u.params = su.params;
+      u.group = su.group;
+      const bool expert = su.group == ShardGroup::expert;
+      u.shard = expert ? expert_shard_comm_ : shard_comm_;
+      u.replicate = expert ? expert_replicate_comm_ : replicate_comm_;
+      u.aliased = u.shard == nullptr;
+      u.direct_grads = u.shard == nullptr && u.replicate == nullptr;
+      if (expert && options_.gradient_reduce == comm::ReduceOp::avg) u.grad_scale = 1.f / float(groups.ep);
       std::vector<std::pair<std::string, Shape>> shapes;
       for (const nn::Parameter* p : su.params) shapes.emplace_back(p->name, p->value.shape());
-      u.layout = FlatShardLayout(shapes, shard_world());
+      u.layout = FlatShardLayout(shapes, u.shard ? u.shard->size() : 1);
       const int64_t n = u.layout.shard_numel();
       if (offload_) {
         u.master = Tensor::empty_pinned({n}, master_dtype_);
@@ -486,11 +567,11 @@ class Sharded {
       }
     for (std::size_t i = 0; i < units_.size(); ++i) {
       Unit& u = units_[i];
-      if (aliased_params_) {
+      if (u.aliased) {
         u.gathered = u.compute;
         install_values(u);
       }
-      if (direct_grads_) {
+      if (u.direct_grads) {
         u.full_grad = u.grad_shard;
         install_grads(u);
       }
@@ -505,35 +586,63 @@ class Sharded {
         index_.emplace(units_[i].layout.entries()[j].name, std::pair{i, j});
   }
 
-  static comm::Comm* mesh_shard_comm(const comm::Mesh& mesh) {
-    check_mesh(mesh);
-    if constexpr (std::is_same_v<Strategy, HybridShard>) {
-      return &mesh.comm(comm::Axis::dp_shard);
-    } else if constexpr (Strategy::shards) {
-      SLIME_CHECK(mesh.size(comm::Axis::dp_replicate) == 1,
-                  "Sharded: this strategy shards over dp_shard only, but the mesh has dp_replicate = ",
-                  mesh.size(comm::Axis::dp_replicate), "; use HybridShard to replicate across groups");
-      return &mesh.comm(comm::Axis::dp_shard);
-    } else {
-      return nullptr;
-    }
+  static Groups comm_groups(comm::Comm& comm) {
+    Groups g;
+    (Strategy::shards ? g.shard : g.replicate) = &comm;
+    return g;
   }
-  static comm::Comm* mesh_replicate_comm(const comm::Mesh& mesh) {
+
+  static Groups mesh_groups(const comm::Mesh& mesh) {
+    using comm::Axis;
+    SLIME_CHECK(mesh.size(Axis::cp) == 1, "Sharded: the mesh has cp = ", mesh.size(Axis::cp),
+                "; context parallelism does not compose with Sharded yet (cp must be 1)");
+    const int ep = mesh.size(Axis::ep);
+    Groups g;
+    g.ep = ep;
+    // The dense group over a data-parallel axis: that axis times ep.
+    auto dense = [&](Axis a) -> comm::Comm* {
+      if (ep == 1) return &mesh.comm(a);
+      g.owned_dense = mesh.flatten({a, Axis::ep});
+      return g.owned_dense.get();
+    };
     if constexpr (std::is_same_v<Strategy, HybridShard>) {
-      return &mesh.comm(comm::Axis::dp_replicate);
+      g.shard = dense(Axis::dp_shard);
+      g.replicate = g.expert_replicate = &mesh.comm(Axis::dp_replicate);
+      g.expert_shard = &mesh.comm(Axis::dp_shard);
+      g.expert_norm = g.shard;
     } else if constexpr (Strategy::shards) {
-      return nullptr;
+      SLIME_CHECK(mesh.size(Axis::dp_replicate) == 1,
+                  "Sharded: this strategy shards over dp_shard only, but the mesh has dp_replicate = ",
+                  mesh.size(Axis::dp_replicate), "; use HybridShard to replicate across groups");
+      g.shard = dense(Axis::dp_shard);
+      g.expert_shard = &mesh.comm(Axis::dp_shard);
+      g.expert_norm = g.shard;
     } else {
-      const int r = mesh.size(comm::Axis::dp_replicate), s = mesh.size(comm::Axis::dp_shard);
+      const int r = mesh.size(Axis::dp_replicate), s = mesh.size(Axis::dp_shard);
       SLIME_CHECK(r == 1 || s == 1, "Sharded<NoShard>: the mesh has dp_replicate = ", r, " and dp_shard = ", s,
                   "; NoShard replicates over one axis (set the other to 1)");
-      return &mesh.comm(r > 1 ? comm::Axis::dp_replicate : comm::Axis::dp_shard);
+      const Axis a = r > 1 ? Axis::dp_replicate : Axis::dp_shard;
+      g.replicate = dense(a);
+      g.expert_replicate = &mesh.comm(a);
+      g.expert_norm = &mesh.comm(Axis::ep);
     }
+    return g;
   }
-  static void check_mesh(const comm::Mesh& mesh) {
-    SLIME_CHECK(mesh.size(comm::Axis::cp) == 1 && mesh.size(comm::Axis::ep) == 1,
-                "Sharded: the mesh has cp = ", mesh.size(comm::Axis::cp), " and ep = ", mesh.size(comm::Axis::ep),
-                "; only dp_replicate and dp_shard are supported (context and expert parallelism compose later)");
+
+  // This rank's index in unit u's shard group.
+  static int unit_rank(const Unit& u) { return u.shard ? u.shard->rank() : 0; }
+
+  // The 2-norm of the gradient over all shards (see grad_norm).
+  double global_norm(const Stream& s) {
+    if (!has_expert_units_ || expert_norm_comm_ == shard_comm_)
+      return optim::global_grad_norm(grad_shards(), shard_comm_, s);
+    // NoShard with expert units: the dense gradients are replicated, the
+    // expert ones differ across ep.
+    std::vector<Tensor> dense, expert;
+    for (const Unit& u : units_) (u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
+    const double d = optim::global_grad_norm(dense, shard_comm_, s);
+    const double e = optim::global_grad_norm(expert, expert_norm_comm_, s);
+    return std::sqrt(d * d + e * e);
   }
 
   Stream compute_stream(const Stream& stream) {
@@ -549,7 +658,7 @@ class Sharded {
 
   // This rank's rows of `full` into the master (and compute) shard.
   void copy_rows(Unit& u, const FlatShardEntry& e, const Tensor& full, const Stream& s) {
-    const int r = shard_rank();
+    const int r = unit_rank(u);
     const int64_t b = e.begin(r), n = e.end(r) - b;
     if (n == 0) return;
     const Tensor src = full.reshape(Shape{e.numel}).view(b, Shape{n});
@@ -584,7 +693,7 @@ class Sharded {
     params_updated_.wait(comm_stream_);
     const int64_t n = u.layout.gathered_numel();
     Tensor rank_major = Tensor::empty({n}, compute_dtype_, device_, comm_stream_);
-    shard_comm_->all_gather(u.compute, rank_major, comm_stream_);
+    u.shard->all_gather(u.compute, rank_major, comm_stream_);
     u.gathered = Tensor::empty({n}, compute_dtype_, device_, comm_stream_);
     unpack_rank_major(rank_major, u.gathered, u.layout, comm_stream_);
     u.gathered_ready.record(comm_stream_);
@@ -600,7 +709,7 @@ class Sharded {
   // Drops unit i's gathered buffer once the work queued on `s` is done.
   void release_gathered(std::size_t i, const Stream& s) {
     Unit& u = units_[i];
-    if (aliased_params_ || !u.gathered.defined()) return;
+    if (u.aliased || !u.gathered.defined()) return;
     for (nn::Parameter* p : u.params) p->value = Tensor{};
     u.params_free.record(s);
     u.params_free.wait(comm_stream_);
@@ -630,7 +739,7 @@ class Sharded {
   // stream, after the work queued on `s`; then frees the full gradient.
   void reduce(std::size_t i, const Stream& s) {
     Unit& u = units_[i];
-    if (direct_grads_ || !u.full_grad.defined()) return;
+    if (u.direct_grads || !u.full_grad.defined()) return;
     u.params_free.record(s);
     u.params_free.wait(comm_stream_);
     const Stream& c = comm_stream_;
@@ -642,15 +751,16 @@ class Sharded {
       ops::cast(u.full_grad, src, c);
     }
     Tensor out;
-    if (shard_comm_) {
+    if (u.shard) {
       Tensor rank_major = Tensor::empty({u.layout.gathered_numel()}, rd, device_, c);
       pack_rank_major(src, rank_major, u.layout, c);
       out = Tensor::empty({n}, rd, device_, c);
-      shard_comm_->reduce_scatter(rank_major, out, options_.gradient_reduce, c);
+      u.shard->reduce_scatter(rank_major, out, options_.gradient_reduce, c);
     } else {
       out = src;  // one rank per shard group: the layout is the shard's
     }
-    if (replicate_comm_) replicate_comm_->all_reduce(out, options_.gradient_reduce, c);
+    if (u.replicate) u.replicate->all_reduce(out, options_.gradient_reduce, c);
+    if (u.grad_scale != 1.f) ops::scale(out, u.grad_scale, out, c);
     if (rd != DType::f32) {
       Tensor f = Tensor::empty({n}, DType::f32, device_, c);
       ops::cast(out, f, c);
@@ -675,14 +785,17 @@ class Sharded {
 
   std::unique_ptr<Module> module_;
   ShardedOptions options_;
-  comm::Comm* shard_comm_ = nullptr;      // null: one rank per shard group
-  comm::Comm* replicate_comm_ = nullptr;  // null: no replicas
+  std::unique_ptr<comm::Comm> owned_dense_comm_;  // the flattened dp x ep group (mesh with ep > 1)
+  comm::Comm* shard_comm_ = nullptr;              // dense units; null: one rank per shard group
+  comm::Comm* replicate_comm_ = nullptr;          // dense units; null: no replicas
+  comm::Comm* expert_shard_comm_ = nullptr;       // expert units (ShardGroup::expert)
+  comm::Comm* expert_replicate_comm_ = nullptr;
+  comm::Comm* expert_norm_comm_ = nullptr;  // the grad norm of expert shards (see global_norm)
+  bool has_expert_units_ = false;
   optim::AdamW adamw_;
   Device device_;
   DType compute_dtype_ = DType::f32, master_dtype_ = DType::f32;
   bool separate_compute_ = false;  // compute shard distinct from the master shard
-  bool aliased_params_ = false;    // gathered buffer = compute shard (shard group of one)
-  bool direct_grads_ = false;      // gradients accumulate straight into the grad shard
   bool offload_ = false;           // master shards and AdamW states on the host (cpu_offload)
   std::vector<Unit> units_;
   std::size_t lm_head_unit_ = 0;

@@ -28,47 +28,61 @@
 namespace slime::parallel {
 
 // Which data-parallel group a unit shards over.
-//   dense:  every data-parallel rank (the shard group Sharded was built with).
-//   expert: extension point for ExpertParallel: expert weights shard over the
-//           data-parallel ranks inside their expert group (the mesh's dp_shard
-//           axis when ep takes the experts). Sharded rejects models with
-//           ExpertParallel of degree > 1 until it is composed; the
-//           flat-shard machinery is the same with another Comm.
+//   dense:  every rank holding the same copy of the parameters: with expert
+//           parallelism (a Mesh with ep > 1) the flattened dp_shard x ep
+//           group, since every ep rank holds the same dense parameters.
+//   expert: expert weights held by an ExpertParallel of degree ep_degree > 1:
+//           the ep ranks hold different slices, so the unit shards over the
+//           data-parallel ranks holding the same slice (the mesh's dp_shard
+//           axis) and its gradients reduce over those only (under EP the
+//           expert's gradient on its ep rank already covers the tokens every
+//           ep rank routed to it, through the block's all_to_all).
 enum class ShardGroup : uint8_t { dense, expert };
 
 struct ShardingUnit {
   std::string name;
   std::vector<nn::Parameter*> params;
   ShardGroup group = ShardGroup::dense;
+  int ep_degree = 1;  // expert units: the degree of the ExpertParallel holding the slices
 };
 
 template <class Module>
 struct ShardingUnits;  // specialise for each module Sharded can wrap
 
-// Qwen3Model: unit 0 the embedding (with the LM head when tied), units
-// 1..L the decoder layers, unit L + 1 the final norm with the LM head.
+// Qwen3Model: unit 0 the embedding (with the LM head when tied), then per
+// decoder layer its unit "model.layers.<i>" and, for a sparse layer whose
+// block has an ExpertParallel of degree > 1, a second unit
+// "model.layers.<i>.mlp.experts" (ShardGroup::expert) right after it with
+// the stacked expert weights (gate_proj, up_proj, down_proj: this ep rank's
+// slice); the layer's other parameters, the router gate included, stay in its
+// dense unit. Last the final norm with the LM head. Without expert
+// parallelism (or degree 1) the experts are ordinary parameters of their
+// layer's unit.
 template <>
 struct ShardingUnits<nn::Qwen3Model> {
   using Context = nn::Qwen3Model::Context;
 
+  // Whether decoder layer `l` has an expert unit.
+  static bool has_expert_unit(const nn::DecoderLayer& l) {
+    return l.is_sparse() && l.moe->expert_parallel() != nullptr && l.moe->expert_parallel()->size() > 1;
+  }
+
   static std::vector<ShardingUnit> units(nn::Qwen3Model& m) {
-    // Qwen3-MoE without expert parallelism: the experts are ordinary
-    // parameters of their layer's unit. With ExpertParallel the ranks hold
-    // different experts, which must shard over the data-parallel ranks
-    // inside their expert group (ShardGroup::expert): not composed yet.
-    for (auto& layer : m.layers())
-      SLIME_CHECK(!layer.is_sparse() || layer.moe->expert_parallel() == nullptr ||
-                      layer.moe->expert_parallel()->size() == 1,
-                  "Sharded<Qwen3Model>: a model with ExpertParallel of degree ",
-                  layer.moe->expert_parallel()->size(),
-                  " needs the expert shard group (ShardGroup::expert), which is not composed yet; ",
-                  "wrap a Qwen3-MoE model without expert parallelism (EP = 1)");
     std::vector<ShardingUnit> u;
     u.push_back({"model.embed_tokens", {}, ShardGroup::dense});
     m.embed_tokens().for_each_parameter([&](nn::Parameter& p) { u.back().params.push_back(&p); });
     for (std::size_t i = 0; i < m.layers().size(); ++i) {
-      u.push_back({"model.layers." + std::to_string(i), {}, ShardGroup::dense});
-      m.layers()[i].for_each_parameter([&](nn::Parameter& p) { u.back().params.push_back(&p); });
+      nn::DecoderLayer& layer = m.layers()[i];
+      const std::string name = "model.layers." + std::to_string(i);
+      u.push_back({name, {}, ShardGroup::dense});
+      if (has_expert_unit(layer)) {
+        ShardingUnit experts{name + ".mlp.experts", {}, ShardGroup::expert, layer.moe->expert_parallel()->size()};
+        layer.for_each_parameter(
+            [&](nn::Parameter& p) { (p.is_expert_stack() ? experts : u.back()).params.push_back(&p); });
+        u.push_back(std::move(experts));
+      } else {
+        layer.for_each_parameter([&](nn::Parameter& p) { u.back().params.push_back(&p); });
+      }
     }
     u.push_back({"model.norm", {}, ShardGroup::dense});
     m.norm().for_each_parameter([&](nn::Parameter& p) { u.back().params.push_back(&p); });
@@ -80,7 +94,10 @@ struct ShardingUnits<nn::Qwen3Model> {
   }
 
   static std::size_t lm_head_unit(nn::Qwen3Model& m) {
-    return m.config().tie_word_embeddings ? 0 : m.layers().size() + 1;
+    if (m.config().tie_word_embeddings) return 0;
+    std::size_t n = 1;
+    for (const nn::DecoderLayer& l : m.layers()) n += has_expert_unit(l) ? 2 : 1;
+    return n;
   }
 
   template <class Hooks>
@@ -95,12 +112,17 @@ struct ShardingUnits<nn::Qwen3Model> {
     hooks.forward_begin(0);
     Tensor h = m.embed_tokens().forward(batch.tokens, ctx.embed_tokens, stream);
     hooks.forward_end(0);
+    std::size_t u = 1;  // the layer's (first) unit
     for (std::size_t i = 0; i < m.layers().size(); ++i) {
-      hooks.forward_begin(i + 1);
+      const bool experts = has_expert_unit(m.layers()[i]);
+      hooks.forward_begin(u);
+      if (experts) hooks.forward_begin(u + 1);
       h = m.layers()[i].forward(h, batch, ctx.layers[i], stream);
-      hooks.forward_end(i + 1);
+      if (experts) hooks.forward_end(u + 1);
+      hooks.forward_end(u);
+      u += experts ? 2 : 1;
     }
-    const std::size_t last = m.layers().size() + 1;
+    const std::size_t last = u;
     hooks.forward_begin(last);
     h = m.norm().forward(h, ctx.norm, stream);
     hooks.forward_end(last);
@@ -112,14 +134,19 @@ struct ShardingUnits<nn::Qwen3Model> {
                        Hooks& hooks) {
     SLIME_CHECK(ctx.layers.size() == m.layers().size(), "Sharded<Qwen3Model>::backward: the context holds ",
                 ctx.layers.size(), " layers, the model ", m.layers().size(), " (was forward called with it?)");
-    const std::size_t last = m.layers().size() + 1;
-    hooks.backward_begin(last);
+    std::size_t u = 1;
+    for (const nn::DecoderLayer& l : m.layers()) u += has_expert_unit(l) ? 2 : 1;
+    hooks.backward_begin(u);
     Tensor d = m.norm().backward(ctx.norm, d_hidden, stream);
-    hooks.backward_end(last);
+    hooks.backward_end(u);
     for (std::size_t i = m.layers().size(); i-- > 0;) {
-      hooks.backward_begin(i + 1);
+      const bool experts = has_expert_unit(m.layers()[i]);
+      u -= experts ? 2 : 1;
+      if (experts) hooks.backward_begin(u + 1);
+      hooks.backward_begin(u);
       d = m.layers()[i].backward(ctx.layers[i], d, stream);
-      hooks.backward_end(i + 1);
+      if (experts) hooks.backward_end(u + 1);
+      hooks.backward_end(u);
     }
     hooks.backward_begin(0);
     m.embed_tokens().backward(ctx.embed_tokens, d, stream);

@@ -1,0 +1,77 @@
+// tests/fsdp/sharded_test_util.hpp: what the CPU FSDP tests share
+// (test_sharded.cpp, test_sharded_ep.cpp): the per-rank micro-batches, the
+// parameters by name and their relative difference, and an error's message.
+#pragma once
+
+#include <catch2/catch_test_macros.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "slime/core/tensor.hpp"
+#include "slime/nn/packed_batch.hpp"
+
+namespace slime_test::fsdp {
+
+// The micro-batch (step, rank, mb): a few sequences of varying length and
+// their next-token targets.
+struct MicroBatch {
+  slime::nn::PackedBatch batch;
+  slime::Tensor targets;
+};
+inline MicroBatch micro_batch(int step, int rank, int mb, int64_t vocab) {
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int32_t> targets;
+  const int nseq = 1 + (rank + mb) % 3;
+  for (int s = 0; s < nseq; ++s) {
+    const int len = 2 + (step * 5 + rank * 3 + mb * 7 + s * 11) % 6;
+    std::vector<int32_t> seq;
+    for (int i = 0; i < len; ++i) seq.push_back(int32_t((step * 13 + rank * 17 + mb * 5 + s * 3 + i * 7) % vocab));
+    for (int i = 0; i < len; ++i) targets.push_back(int32_t((seq[std::size_t(i)] * 3 + 1) % vocab));
+    seqs.push_back(seq);
+  }
+  MicroBatch m;
+  m.batch = slime::nn::make_packed_batch(seqs);
+  m.targets = slime::Tensor::from_vector(targets, {int64_t(targets.size())});
+  return m;
+}
+
+using Params = std::map<std::string, std::vector<float>>;
+
+// The largest relative 2-norm difference ||a - b|| / ||b|| over the
+// parameters (which must have the same names and sizes).
+inline double max_rel_diff(const Params& a, const Params& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (const auto& [name, va] : a) {
+    INFO(name);
+    REQUIRE(b.count(name) == 1);
+    const auto& vb = b.at(name);
+    REQUIRE(va.size() == vb.size());
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < va.size(); ++i) {
+      num += double(va[i] - vb[i]) * double(va[i] - vb[i]);
+      den += double(vb[i]) * double(vb[i]);
+    }
+    worst = std::max(worst, std::sqrt(num / std::max(den, 1e-30)));
+  }
+  return worst;
+}
+
+// The message of what f throws, or "(no error)".
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+}  // namespace slime_test::fsdp

@@ -1,0 +1,363 @@
+// Sharded<Qwen3Model, Strategy> composed with ExpertParallel on LocalComm: a
+// tiny Qwen3-MoE (8 experts, top-2, layer 0 dense, layers 1 and 2 sparse) on
+// meshes dp x ep = 1 x 2, 2 x 2 and 1 x 4 (and HybridShard 2 x 1 x 2) trains
+// 3 AdamW steps on per-rank data and must end with the parameters of the
+// unwrapped, unsharded model without expert parallelism trained on every
+// rank's micro-batch with the same global normaliser (<= 1e-6 relative; the
+// expert stacks reassembled from the ep ranks' slices). Also: avg reduction,
+// grad-norm clipping, the units and groups, checkpoint access of expert
+// stacks (this ep rank's slice) and bad input.
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "sharded_test_util.hpp"
+#include "slime/comm/local_comm.hpp"
+#include "slime/comm/mesh.hpp"
+#include "slime/nn/qwen3.hpp"
+#include "slime/optim/adamw.hpp"
+#include "slime/optim/grad_clip.hpp"
+#include "slime/parallel/expert_parallel.hpp"
+#include "slime/parallel/sharded.hpp"
+
+using namespace slime;
+using Catch::Matchers::ContainsSubstring;
+using parallel::ExpertParallel;
+using parallel::FullShard;
+using parallel::HybridShard;
+using parallel::NoShard;
+using parallel::Sharded;
+using parallel::ShardGradOp;
+using slime_test::fsdp::error_of;
+using slime_test::fsdp::max_rel_diff;
+using slime_test::fsdp::micro_batch;
+using slime_test::fsdp::MicroBatch;
+using slime_test::fsdp::Params;
+
+namespace {
+
+constexpr int64_t kExperts = 8;
+constexpr int64_t kVocab = 37;
+constexpr double kLr = 1e-2;
+constexpr int kSteps = 3;
+
+nn::Qwen3Config moe_config() {
+  nn::Qwen3Config c;
+  c.model_type = "qwen3_moe";
+  c.num_experts = kExperts;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 12;
+  c.mlp_only_layers = {0};
+  c.vocab_size = kVocab;  // prime: the embedding rows never divide the ranks
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 3;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.rope_theta = 100.0;
+  return c;
+}
+
+nn::Qwen3Model full_model() {
+  nn::Qwen3Model m(moe_config(), {});
+  m.init_random(7, 0.2f);
+  return m;
+}
+
+// The model with `ep`'s slice of the experts, its values those of full_model().
+nn::Qwen3Model ep_model(ExpertParallel<>& ep) {
+  nn::Qwen3Model full = full_model();
+  nn::Qwen3Model m(moe_config(), {}, &ep);
+  std::vector<nn::Parameter*> src, dst;
+  full.for_each_parameter([&](nn::Parameter& p) { src.push_back(&p); });
+  m.for_each_parameter([&](nn::Parameter& p) { dst.push_back(&p); });
+  // Called in rank threads: library checks (exceptions), not Catch2 assertions.
+  SLIME_CHECK(src.size() == dst.size(), "ep_model: parameter counts differ");
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    SLIME_CHECK(src[i]->name == dst[i]->name, "ep_model: parameter ", i, " is ", src[i]->name, " vs ", dst[i]->name);
+    if (dst[i]->is_expert_stack()) {
+      const int64_t per = dst[i]->value.numel() / dst[i]->value.size(0);
+      dst[i]->value.copy_from(src[i]->value.view(dst[i]->first_expert * per, dst[i]->value.shape()));
+    } else {
+      dst[i]->value.copy_from(src[i]->value);
+    }
+  }
+  return m;
+}
+
+struct RunConfig {
+  comm::MeshShape mesh;
+  int world = 2;
+  double max_grad_norm = 0;
+  parallel::ShardedOptions options;
+};
+
+int64_t global_tokens(int world, int step) {
+  int64_t n = 0;
+  for (int r = 0; r < world; ++r) n += micro_batch(step, r, 0, kVocab).batch.num_tokens();
+  return n;
+}
+
+// The micro-batches of `step` of ranks [first, first + count), concatenated
+// in rank order (one packed batch).
+MicroBatch concatenated(int first, int count, int step) {
+  std::vector<std::vector<int32_t>> seqs;
+  std::vector<int32_t> targets;
+  for (int r = first; r < first + count; ++r) {
+    const MicroBatch mb = micro_batch(step, r, 0, kVocab);
+    const std::vector<int32_t> tokens = mb.batch.tokens.to_vector<int32_t>();
+    const std::vector<int32_t> cu = mb.batch.cu_seqlens.to_vector<int32_t>();
+    for (std::size_t i = 0; i + 1 < cu.size(); ++i)
+      seqs.emplace_back(tokens.begin() + cu[i], tokens.begin() + cu[i + 1]);
+    for (int32_t t : mb.targets.to_vector<int32_t>()) targets.push_back(t);
+  }
+  MicroBatch m;
+  m.batch = nn::make_packed_batch(seqs);
+  m.targets = Tensor::from_vector(targets, {int64_t(targets.size())});
+  return m;
+}
+
+// The unwrapped model without expert parallelism trained on every rank's
+// micro-batch with the global normaliser: the ranks' data concatenated, one
+// backward per data-parallel group (its ep ranks' batches in rank order,
+// which is the order in which expert parallelism hands the experts their
+// rows), the groups' gradients summed, as the reductions do. The numbers are
+// the unsplit batch's up to f32 rounding; the grouping keeps the sums in the
+// sharded run's order, since AdamW's first steps (about lr * sign(g))
+// magnify the rounding of near-zero gradients past 1e-6.
+Params reference_run(const RunConfig& rc) {
+  nn::Qwen3Model model = full_model();
+  optim::AdamW opt;
+  const int ep = rc.mesh.ep;
+  for (int step = 0; step < kSteps; ++step) {
+    nn::zero_grad(model);
+    const double norm = double(global_tokens(rc.world, step));
+    for (int first = 0; first < rc.world; first += ep) {
+      const MicroBatch mb = concatenated(first, ep, step);
+      model.loss_and_backward(mb.batch, mb.targets, 1.f, norm);
+    }
+    std::vector<Tensor> params, grads;
+    model.for_each_parameter([&](nn::Parameter& p) {
+      params.push_back(p.value);
+      grads.push_back(p.grad);
+    });
+    float scale = 1.f;
+    if (rc.max_grad_norm > 0) scale = optim::clip_coefficient(optim::global_grad_norm(grads), rc.max_grad_norm);
+    opt.step(params, grads, kLr, scale);
+  }
+  Params out;
+  model.for_each_parameter([&](nn::Parameter& p) { out[p.name] = p.value.to_vector<float>(); });
+  return out;
+}
+
+// Catch2 (before 3.9) does not allow assertions off the main thread: checks
+// inside rank threads record their failures here, and the test case checks
+// the list on the main thread after the ranks joined.
+struct ThreadChecks {
+  std::mutex mutex;
+  std::vector<std::string> failures;
+  void check(bool ok, const char* what, int line) {
+    if (ok) return;
+    std::lock_guard lock(mutex);
+    failures.push_back(std::string(what) + " (line " + std::to_string(line) + ")");
+  }
+  void require_none() {
+    for (const std::string& f : failures) FAIL_CHECK("in a rank thread: " << f);
+    failures.clear();
+  }
+};
+ThreadChecks& thread_checks() {
+  static ThreadChecks c;
+  return c;
+}
+#define TCHECK(...) thread_checks().check(bool(__VA_ARGS__), #__VA_ARGS__, __LINE__)
+
+// Every rank trains on its own micro-batches (data rank = world rank); the
+// gathered parameters, expert stacks reassembled from the ep slices.
+template <class S>
+Params sharded_run(const RunConfig& rc, std::vector<double>* norms = nullptr) {
+  Params out;
+  std::mutex mutex;
+  comm::run_local_ranks(rc.world, [&](comm::Comm& world) {
+    const comm::Mesh mesh(world, rc.mesh);
+    ExpertParallel<> ep(mesh, kExperts);
+    Sharded<nn::Qwen3Model, S> sh(ep_model(ep), mesh, rc.options);
+    const int dp = mesh.size(comm::Axis::dp_replicate) * mesh.size(comm::Axis::dp_shard);
+    const int nep = mesh.size(comm::Axis::ep);
+    if constexpr (S::shards) {
+      TCHECK(sh.shard_world() == mesh.size(comm::Axis::dp_shard) * nep);
+      TCHECK(sh.expert_shard_world() == mesh.size(comm::Axis::dp_shard));
+    } else {
+      TCHECK(sh.replicate_world() == dp * nep);
+      TCHECK(sh.expert_replicate_world() == dp);
+    }
+    // embed, layer 0, layer 1 + experts, layer 2 + experts, norm + lm_head
+    TCHECK(sh.num_units() == (nep > 1 ? 7u : 5u));
+    if (nep > 1) {
+      TCHECK(sh.unit_name(3) == "model.layers.1.mlp.experts");
+      TCHECK(sh.is_expert_unit(3));
+      TCHECK(sh.is_expert_unit(5));
+      TCHECK(!(sh.is_expert_unit(4)));
+    }
+    for (int step = 0; step < kSteps; ++step) {
+      sh.zero_grad();
+      double norm = double(global_tokens(world.size(), step));
+      if (rc.options.gradient_reduce == comm::ReduceOp::avg) norm /= world.size();
+      MicroBatch mb = micro_batch(step, world.rank(), 0, kVocab);
+      sh.loss_and_backward(mb.batch, mb.targets, 1.f, norm);
+      const std::optional<double> n = sh.optimizer_step(kLr, rc.max_grad_norm);
+      if (n && norms && world.rank() == 0) norms->push_back(*n);
+    }
+    const bool first_dp = mesh.coord(comm::Axis::dp_replicate) == 0 && mesh.coord(comm::Axis::dp_shard) == 0;
+    for (const std::string& name : sh.parameter_names()) {
+      const Tensor t = sh.gather_parameter(name);  // collective: every rank
+      const std::vector<float> v = t.to_vector<float>();
+      if (sh.is_expert_parameter(name)) {
+        const int64_t local = kExperts / nep, per = t.numel() / local;
+        TCHECK(t.size(0) == local);
+        TCHECK(sh.parameter_first_expert(name) == mesh.coord(comm::Axis::ep) * local);
+        if (!first_dp) continue;
+        std::lock_guard lock(mutex);
+        std::vector<float>& full = out[name];
+        full.resize(std::size_t(kExperts * per));
+        std::memcpy(full.data() + sh.parameter_first_expert(name) * per, v.data(), v.size() * sizeof(float));
+      } else if (world.rank() == 0) {
+        std::lock_guard lock(mutex);
+        out[name] = v;
+      }
+    }
+  });
+  thread_checks().require_none();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("Sharded<FullShard> with ExpertParallel equals the unsharded model", "[fsdp][moe][ep]") {
+  struct Case {
+    int dp, ep;
+  };
+  for (const Case c : {Case{1, 2}, Case{2, 2}, Case{1, 4}}) {
+    INFO("dp " << c.dp << " x ep " << c.ep);
+    RunConfig rc;
+    rc.mesh = comm::MeshShape{.dp_replicate = 1, .dp_shard = c.dp, .cp = 1, .ep = c.ep};
+    rc.world = c.dp * c.ep;
+    const Params want = reference_run(rc);
+    const Params got = sharded_run<FullShard>(rc);
+    const double d = max_rel_diff(got, want);
+    INFO("max relative difference " << d);
+    CHECK(d <= 1e-6);
+  }
+}
+
+TEST_CASE("Sharded with ExpertParallel: ShardGradOp, NoShard and HybridShard equal the unsharded model",
+          "[fsdp][moe][ep]") {
+  RunConfig rc;
+  rc.world = 4;
+  rc.mesh = comm::MeshShape{.dp_replicate = 1, .dp_shard = 2, .cp = 1, .ep = 2};
+  const Params want = reference_run(rc);
+  {
+    INFO("ShardGradOp dp 2 x ep 2");
+    CHECK(max_rel_diff(sharded_run<ShardGradOp>(rc), want) <= 1e-6);
+  }
+  {
+    INFO("NoShard dp 2 x ep 2");
+    CHECK(max_rel_diff(sharded_run<NoShard>(rc), want) <= 1e-6);
+  }
+  {
+    INFO("HybridShard dp_replicate 2 x dp_shard 1 x ep 2");
+    RunConfig h = rc;
+    h.mesh = comm::MeshShape{.dp_replicate = 2, .dp_shard = 1, .cp = 1, .ep = 2};
+    CHECK(max_rel_diff(sharded_run<HybridShard>(h), want) <= 1e-6);
+  }
+}
+
+TEST_CASE("Sharded with ExpertParallel: avg reduction and grad-norm clipping", "[fsdp][moe][ep]") {
+  RunConfig rc;
+  rc.world = 4;
+  rc.mesh = comm::MeshShape{.dp_replicate = 1, .dp_shard = 2, .cp = 1, .ep = 2};
+  {
+    INFO("avg: every gradient divided by the 4 data-parallel ranks");
+    RunConfig a = rc;
+    a.options.gradient_reduce = comm::ReduceOp::avg;
+    CHECK(max_rel_diff(sharded_run<FullShard>(a), reference_run(a)) <= 1e-6);
+  }
+  RunConfig clip = rc;
+  clip.max_grad_norm = 0.05;  // below the gradient norm: clipping scales every step
+  const Params want = reference_run(clip);
+  std::vector<double> full_norms, noshard_norms;
+  CHECK(max_rel_diff(sharded_run<FullShard>(clip, &full_norms), want) <= 1e-6);
+  CHECK(max_rel_diff(sharded_run<NoShard>(clip, &noshard_norms), want) <= 1e-6);
+  REQUIRE(full_norms.size() == std::size_t(kSteps));
+  REQUIRE(noshard_norms.size() == std::size_t(kSteps));
+  for (int s = 0; s < kSteps; ++s) {
+    CHECK(full_norms[std::size_t(s)] > clip.max_grad_norm);
+    CHECK(std::abs(full_norms[std::size_t(s)] - noshard_norms[std::size_t(s)]) <= 1e-6 * full_norms[std::size_t(s)]);
+  }
+}
+
+TEST_CASE("Sharded with ExpertParallel: checkpoint access of expert stacks is this ep rank's slice",
+          "[fsdp][moe][ep]") {
+  comm::run_local_ranks(4, [&](comm::Comm& world) {
+    const comm::Mesh mesh(world, comm::MeshShape{.dp_replicate = 1, .dp_shard = 2, .cp = 1, .ep = 2});
+    ExpertParallel<> ep(mesh, kExperts);
+    Sharded<nn::Qwen3Model, FullShard> sh(ep_model(ep), mesh);
+    const int64_t local = kExperts / 2, first = mesh.coord(comm::Axis::ep) * local;
+    const int dp_rank = mesh.coord(comm::Axis::dp_shard);
+    int experts = 0;
+    sh.for_each_local_shard([&](const parallel::LocalShard& s) {
+      const bool stack = s.name.find("{}") != std::string::npos;
+      TCHECK(s.expert == stack);
+      if (!stack) return;
+      ++experts;
+      TCHECK(s.first_expert == first);
+      TCHECK(s.shape[0] == local);
+      // Sharded over the 2 dp ranks only: rank 0 holds the first half of the slice.
+      TCHECK(s.begin == (dp_rank == 0 ? 0 : s.shape.numel() / 2));
+      TCHECK(s.end == (dp_rank == 0 ? s.shape.numel() / 2 : s.shape.numel()));
+    });
+    TCHECK(experts == 6);  // 3 stacks x 2 sparse layers
+    // The module's initial values, gathered back, then loaded and gathered again.
+    const std::string name = "model.layers.2.mlp.experts.{}.down_proj.weight";
+    nn::Qwen3Model full = full_model();
+    std::vector<float> want;
+    full.for_each_parameter([&](nn::Parameter& p) {
+      if (p.name == name) {
+        const std::vector<float> all = p.value.to_vector<float>();
+        const std::size_t per = all.size() / std::size_t(kExperts);
+        want.assign(all.begin() + std::ptrdiff_t(std::size_t(first) * per),
+                    all.begin() + std::ptrdiff_t(std::size_t(first + local) * per));
+      }
+    });
+    const Tensor slice = sh.gather_parameter(name);
+    TCHECK(slice.shape() == sh.parameter_shape(name));
+    TCHECK(slice.to_vector<float>() == want);
+    Tensor doubled = Tensor::empty(slice.shape(), DType::f32);
+    ops::scale(slice, 2.f, doubled);
+    sh.load_parameter(name, doubled);
+    TCHECK(sh.gather_parameter(name).to_vector<float>() == doubled.to_vector<float>());
+    TCHECK(!(sh.is_expert_parameter("model.layers.1.mlp.gate.weight")));
+    TCHECK(sh.parameter_first_expert("model.layers.1.mlp.gate.weight") == 0);
+  });
+  thread_checks().require_none();
+}
+
+TEST_CASE("Sharded with ExpertParallel: bad input gives clear errors", "[fsdp][moe][ep]") {
+  std::vector<std::string> plain_comm(2), wrong_degree(4);
+  comm::run_local_ranks(2, [&](comm::Comm& world) {
+    ExpertParallel<> ep(world, kExperts);
+    plain_comm[std::size_t(world.rank())] = error_of([&] { Sharded<nn::Qwen3Model, FullShard>(ep_model(ep), world); });
+  });
+  comm::run_local_ranks(4, [&](comm::Comm& world) {
+    const comm::Mesh mesh(world, comm::MeshShape{.dp_replicate = 1, .dp_shard = 2, .cp = 1, .ep = 2});
+    ExpertParallel<> ep(world, kExperts);  // over all 4 ranks, not the mesh's ep axis
+    wrong_degree[std::size_t(world.rank())] = error_of([&] { Sharded<nn::Qwen3Model, FullShard>(ep_model(ep), mesh); });
+  });
+  for (const std::string& e : plain_comm) CHECK_THAT(e, ContainsSubstring("build Sharded from a comm::Mesh"));
+  for (const std::string& e : wrong_degree) CHECK_THAT(e, ContainsSubstring("degree 4 but the mesh has ep = 2"));
+}
