@@ -43,6 +43,7 @@
 #include "slime/core/tensor.hpp"
 #include "slime/ops/cpu/grouped_gemm.hpp"
 #include "slime/ops/cuda/grouped_gemm.hpp"
+#include "slime/ops/elementwise.hpp"
 
 namespace slime::ops {
 
@@ -91,12 +92,7 @@ inline void run_cuda([[maybe_unused]] cuda_pass_tag pass, [[maybe_unused]] const
 #endif
 }
 
-inline bool overlap(const Tensor& a, const Tensor& b) {
-  if (!a.shares_storage_with(b) || a.nbytes() == 0 || b.nbytes() == 0) return false;
-  const auto* pa = static_cast<const char*>(a.data_ptr());
-  const auto* pb = static_cast<const char*>(b.data_ptr());
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
+using detail::memops::overlap;
 
 // w [E, Nout, K] bf16 or f32 (or dw f32 when `is_grad`).
 inline void check_weight(const Tensor& w, std::string_view name, std::string_view op) {

@@ -160,21 +160,9 @@ inline void check_f32_bf16(const Tensor& t, std::string_view op, std::string_vie
               t.str());
 }
 
-template <class F>
-void visit_f32_bf16(DType t, F&& f) {
-  if (t == DType::f32) {
-    f(float{});
-  } else {
-    f(BFloat16{});
-  }
-}
+using detail::memops::visit_f32_bf16;  // f32 or bf16, checked before
 
-inline bool overlap(const Tensor& a, const Tensor& b) {
-  if (!a.shares_storage_with(b) || a.nbytes() == 0 || b.nbytes() == 0) return false;
-  const auto* pa = static_cast<const char*>(a.data_ptr());
-  const auto* pb = static_cast<const char*>(b.data_ptr());
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
+using detail::memops::overlap;
 
 #if SLIME_HAS_CUDA
 // The layout as the GPU kernels read it.

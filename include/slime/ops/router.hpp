@@ -109,14 +109,7 @@ inline void check_dlogits(const Tensor& dlogits, const Tensor& probs, std::strin
   check_same_device(dlogits, probs, std::string(op) + ": dlogits", "probs");
 }
 
-template <class F>
-void visit_f32_bf16(DType t, F&& f) {
-  if (t == DType::f32) {
-    f(float{});
-  } else {
-    f(BFloat16{});
-  }
-}
+using detail::memops::visit_f32_bf16;  // f32 or bf16, checked before
 
 }  // namespace detail::moe_router
 
