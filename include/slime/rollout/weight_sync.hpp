@@ -20,7 +20,11 @@
 // version, names, shapes, dtype), then the tensors packed in order into
 // buckets of at most `bucket_bytes` (a tensor larger than that travels alone),
 // each bucket one broadcast from the sender. Both sides derive the bucket
-// boundaries from the metadata. The extra memory is one bucket on each side.
+// boundaries from the metadata. On CUDA the buckets are pipelined: each side
+// stages through two buffers of half a bucket, and the broadcasts run on a
+// stream of their own, so the sender packs piece k+1 while piece k is on the
+// wire and the engine unpacks piece k while k+1 arrives (the wire time then
+// hides the copies). The extra memory is one bucket on each side.
 // With `verify`, the sender hashes (FNV-1a 64) the bytes it sent and
 // broadcasts the hash; every engine hashes its parameters after the update
 // and throws if they differ: the engine then holds the trainer's weights bit
@@ -220,6 +224,87 @@ inline int64_t broadcast_u64(comm::Comm& comm, int root, uint64_t v, Device devi
   return t.to_vector<int64_t>(stream)[0];
 }
 
+// The stream a sync's copies run on: `stream`, or the device's default
+// stream where the caller passed the CPU stream (the library's default).
+inline Stream work_stream(const Stream& stream, Device device) {
+  return stream.device() == device ? stream : Stream::default_for(device);
+}
+
+// Two staging buffers and the ordering between the copy stream (`work`) and
+// the broadcast stream (`wire`). On the CPU both are the calling thread and
+// the events do nothing. Piece k uses buffer k % 2.
+struct Staging {
+  Stream work, wire;
+  Tensor buffers[2];
+  Event copied[2], sent[2];  // copies into / out of buffer i done; broadcast of buffer i done
+  bool used[2] = {false, false};
+
+  Staging(Device device, const Stream& stream, DType dtype, int64_t elements)
+      : work(work_stream(stream, device)),
+        wire(device.is_cuda() ? Stream::create(device) : work),
+        copied{Event(device, false), Event(device, false)},
+        sent{Event(device, false), Event(device, false)} {
+    for (Tensor& b : buffers) b = Tensor::empty({std::max<int64_t>(elements, 1)}, dtype, device, work);
+    // Broadcasts start after everything queued on `work` so far (the metadata's).
+    Event start(device, false);
+    start.record(work);
+    start.wait(wire);
+  }
+  // Sender: buffer k % 2, once its previous broadcast is done (work waits).
+  Tensor& fill(std::size_t k) {
+    const std::size_t i = k % 2;
+    if (used[i]) sent[i].wait(work);
+    return buffers[i];
+  }
+  // Sender: broadcast the first `elements` of buffer k % 2 after its copies.
+  void send(comm::Comm& comm, int root, std::size_t k, int64_t elements) {
+    const std::size_t i = k % 2;
+    copied[i].record(work);
+    copied[i].wait(wire);
+    Tensor part = buffers[i].slice_rows(0, elements);
+    comm.broadcast(part, root, wire);
+    sent[i].record(wire);
+    used[i] = true;
+  }
+  // Receiver: broadcast into buffer k % 2 (once its previous contents were
+  // copied out), then make `work` wait for the data.
+  Tensor& receive(comm::Comm& comm, int root, std::size_t k, int64_t elements) {
+    const std::size_t i = k % 2;
+    if (used[i]) copied[i].wait(wire);
+    Tensor part = buffers[i].slice_rows(0, elements);
+    comm.broadcast(part, root, wire);
+    sent[i].record(wire);
+    sent[i].wait(work);
+    return buffers[i];
+  }
+  // Receiver: the copies out of buffer k % 2 are queued.
+  void unpacked(std::size_t k) {
+    const std::size_t i = k % 2;
+    copied[i].record(work);
+    used[i] = true;
+  }
+  // `work` waits for every broadcast queued so far: the end of a sync, and
+  // before the buffers are freed (stream-ordered on `work`).
+  void drain() {
+    if (!wire.device().is_cuda()) return;
+    Event done(wire.device(), false);
+    done.record(wire);
+    done.wait(work);
+  }
+  ~Staging() {
+    try {
+      drain();
+    } catch (...) {
+    }
+  }
+};
+
+// Bytes per staged piece: half a bucket where the pieces are pipelined (CUDA),
+// so that the two buffers together are one bucket.
+inline std::size_t piece_bytes(std::size_t bucket_bytes, Device device) {
+  return device.is_cuda() ? std::max<std::size_t>(bucket_bytes / 2, 1) : bucket_bytes;
+}
+
 // Waits for the work of a sync: `stream`, or the device's default stream
 // where the caller passed the CPU stream (the library's default argument).
 inline void finish(const Stream& stream, Device device) {
@@ -271,13 +356,15 @@ WeightSyncStats send_weights(comm::Comm& comm, Source&& source, int64_t version,
   const int root = comm.rank();
   std::vector<WeightMeta> meta = source.meta();
   for (auto& m : meta) m.dtype = wire_dtype;
-  ws::broadcast_string(comm, root, ws::encode(version, cfg.bucket_bytes, meta), device, stream);
+  // The metadata carries the piece size, so both sides plan the same pieces.
+  const std::size_t piece = ws::piece_bytes(cfg.bucket_bytes, device);
+  ws::broadcast_string(comm, root, ws::encode(version, piece, meta), device, stream);
   ws::broadcast_u64(comm, root, cfg.verify ? 1 : 0, device, stream);
-  const auto buckets = ws::plan_buckets(meta, cfg.bucket_bytes);
+  const auto buckets = ws::plan_buckets(meta, piece);
   const int64_t esize = int64_t(dtype_size(wire_dtype));
   int64_t largest = 1;  // elements
   for (const auto& b : buckets) largest = std::max(largest, int64_t(b.bytes) / esize);
-  const Tensor buffer = Tensor::empty({largest}, wire_dtype, device, stream);
+  ws::Staging staging(device, stream, wire_dtype, largest);
   WeightSyncStats st;
   st.version = version;
   uint64_t h = 0xcbf29ce484222325ull;
@@ -287,18 +374,19 @@ WeightSyncStats send_weights(comm::Comm& comm, Source&& source, int64_t version,
     SLIME_CHECK(index < meta.size() && meta[index].name == name && meta[index].shape == full.shape(),
                 "send_weights: the source yielded '", name, "' ", full.str(), " where its metadata says '",
                 index < meta.size() ? meta[index].name : std::string("<end>"), "'");
-    ws::copy_cast(full, buffer.view(offset, full.shape()), stream);
+    const Tensor& buffer = staging.fill(bucket);
+    ws::copy_cast(full, buffer.view(offset, full.shape()), staging.work);
     offset += full.numel();
     if (++index == buckets[bucket].last) {
-      Tensor part = buffer.slice_rows(0, offset);
-      comm.broadcast(part, root, stream);
-      if (cfg.verify) h = tensor_hash(part, h, stream);
+      if (cfg.verify) h = tensor_hash(buffer.slice_rows(0, offset), h, staging.work);
+      staging.send(comm, root, bucket, offset);
       st.bytes += std::size_t(offset * esize);
       ++st.buckets;
       ++bucket;
       offset = 0;
     }
   });
+  staging.drain();
   SLIME_CHECK(index == meta.size(), "send_weights: the source yielded ", index, " tensors, its metadata ", meta.size());
   st.hash = h;
   if (cfg.verify) ws::broadcast_u64(comm, root, h, device, stream);
@@ -338,19 +426,21 @@ inline WeightSyncStats receive_weights(comm::Comm& comm, int root, Engine& engin
     const auto buckets = ws::plan_buckets(meta, bucket_bytes);
     int64_t largest = 1;
     for (const auto& b : buckets) largest = std::max(largest, int64_t(b.bytes) / esize);
-    const Tensor buffer = Tensor::empty({largest}, wire, device, stream);
-    for (const auto& b : buckets) {
-      Tensor part = buffer.slice_rows(0, int64_t(b.bytes) / esize);
-      comm.broadcast(part, root, stream);
+    ws::Staging staging(device, stream, wire, largest);
+    for (std::size_t k = 0; k < buckets.size(); ++k) {
+      const ws::Bucket& b = buckets[k];
+      const Tensor& buffer = staging.receive(comm, root, k, int64_t(b.bytes) / esize);
       int64_t offset = 0;
       for (std::size_t i = b.first; i < b.last; ++i) {
         Tensor dst = targets[i]->value;
-        dst.copy_from(buffer.view(offset, dst.shape()), stream);
+        dst.copy_from(buffer.view(offset, dst.shape()), staging.work);
         offset += dst.numel();
       }
+      staging.unpacked(k);
       st.bytes += b.bytes;
       ++st.buckets;
     }
+    staging.drain();
   }
   if (verify) {
     uint64_t mine = 0xcbf29ce484222325ull;
