@@ -41,7 +41,7 @@ struct Options {
   int64_t max_tokens_per_gpu = 4096;  // packing budget of one micro-batch
   // Parallelism and devices.
   std::string fsdp = "full";  // full | grad_op | no_shard
-  int ep = 1;                 // expert-parallel degree (1: experts shard with FSDP)
+  int ep = 1;                 // expert-parallel degree (must divide the ranks and the experts)
   std::string rollout_mode = "colocated";
   bool offload = false;  // colocated: engine weights and KV cache leave the GPU while training
   int ranks = 2;
@@ -116,7 +116,9 @@ struct Options {
         ->group(g);
     g = "Parallelism";
     app.add_option("--fsdp", fsdp, "full | grad_op | no_shard")->capture_default_str()->group(g);
-    app.add_option("--ep", ep, "expert-parallel degree (only 1 composes with FSDP today)")
+    app.add_option("--ep", ep,
+                   "expert-parallel degree: the experts split over ep ranks, each slice sharded over ranks / ep (1: "
+                   "experts shard like the rest)")
         ->capture_default_str()
         ->group(g);
     app.add_option("--rollout", rollout_mode, "colocated (the engine shares each rank's device)")

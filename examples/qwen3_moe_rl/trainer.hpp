@@ -38,6 +38,7 @@
 #include "options.hpp"
 #include "reward.hpp"
 #include "slime/comm/comm.hpp"
+#include "slime/comm/mesh.hpp"
 #include "slime/data/prompt_dataset.hpp"
 #include "slime/data/tasks.hpp"
 #include "slime/io/metrics_log.hpp"
@@ -47,6 +48,7 @@
 #include "slime/nn/checkpoint.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/optim/lr_schedule.hpp"
+#include "slime/parallel/expert_parallel.hpp"
 #include "slime/parallel/sharded.hpp"
 #include "slime/rl/advantages.hpp"
 #include "slime/rl/importance_sampler.hpp"
@@ -82,15 +84,26 @@ inline nn::Qwen3Config tiny_moe_config(int64_t vocab) {
   return c;
 }
 
-// A sharded policy as a weight source (rollout/weight_sync.hpp): one full
+// One whole parameter of a sharded policy: gathered over the data-parallel
+// shards, and for an expert stack under expert parallelism (ep != nullptr)
+// over the ep ranks' slices as well. Collective: every rank calls it for the
+// same names in the same order.
+template <class Policy>
+Tensor whole_parameter(Policy& policy, parallel::ExpertParallel<>* ep, const std::string& name) {
+  Tensor t = policy.gather_parameter(name);
+  if (ep != nullptr && policy.is_expert_parameter(name)) t = ep->gather_expert_stack(t);
+  return t;
+}
+
+// A sharded policy as a weight source (rollout/weight_sync.hpp): one whole
 // parameter gathered at a time, so the extra memory is one parameter.
-// Collective: every rank iterates the same names in the same order.
 template <class Policy>
 struct ShardedWeights {
   Policy* policy;
+  parallel::ExpertParallel<>* ep = nullptr;
   template <class F>
   void for_each(F&& f) const {
-    for (const std::string& name : policy->parameter_names()) f(name, policy->gather_parameter(name));
+    for (const std::string& name : policy->parameter_names()) f(name, whole_parameter(*policy, ep, name));
   }
 };
 
@@ -122,15 +135,28 @@ class Trainer {
     SLIME_CHECK(o.prompts_per_rollout % comm.size() == 0, "--prompts-per-rollout ", o.prompts_per_rollout,
                 " must divide over the ", comm.size(), " ranks");
     SLIME_CHECK(o.samples_per_prompt >= 2, "--samples-per-prompt must be >= 2 (a group needs a baseline)");
-    SLIME_CHECK(o.ep == 1, "--ep ", o.ep, ": expert parallelism does not compose with FSDP yet (Sharded needs ",
-                "the expert shard group); use --ep 1");
+    SLIME_CHECK(o.ep >= 1 && comm.size() % o.ep == 0, "--ep ", o.ep, " must be >= 1 and divide the ", comm.size(),
+                " ranks");
     SLIME_CHECK(o.rollout_mode == "colocated", "--rollout ", o.rollout_mode,
                 ": this example runs the engine colocated on each rank's device; disaggregated engines use ",
                 "rollout::send_weights / receive_weights (see the README)");
-    nn::Qwen3Model model =
-        o.model.empty() ? nn::Qwen3Model(tiny_moe_config(32), {device, dtype_}) : nn::load_hf(o.model, device, dtype_);
-    if (o.model.empty()) model.init_random(o.seed, o.init_std);
-    config_ = model.config();
+    config_ = o.model.empty() ? tiny_moe_config(32) : nn::Qwen3Config::from_file(fs::path(o.model) / "config.json");
+    if (o.ep > 1) {
+      // Mesh dp_shard x ep (ep innermost): the experts split over the ep
+      // ranks, and each slice shards over the dp ranks (Sharded's expert units).
+      SLIME_CHECK(config_.is_moe(), "--ep ", o.ep, ": the model is not a mixture of experts");
+      SLIME_CHECK(config_.num_experts % o.ep == 0, "--ep ", o.ep, " must divide the ", config_.num_experts, " experts");
+      mesh_ = std::make_unique<comm::Mesh>(
+          comm, comm::MeshShape{.dp_replicate = 1, .dp_shard = comm.size() / o.ep, .cp = 1, .ep = o.ep});
+      ep_ = std::make_unique<parallel::ExpertParallel<>>(*mesh_, config_.num_experts);
+    }
+    // This rank's experts only (all of them without expert parallelism).
+    nn::Qwen3Model model(config_, {device, dtype_}, ep_.get());
+    if (o.model.empty()) {
+      model.init_random(o.seed, o.init_std);
+    } else {
+      nn::load_hf_weights(model, o.model);
+    }
     int64_t context = 0;
     if (o.prompts.empty()) {
       SLIME_CHECK(config_.vocab_size >= task_->vocab().vocab_size, "the model's vocabulary (", config_.vocab_size,
@@ -144,10 +170,12 @@ class Trainer {
       for (int64_t i = 0; i < dataset_->size(); ++i) longest = std::max<int64_t>(longest, (*dataset_)[i].tokens.size());
       context = longest + o.max_new_tokens;
     }
-    if (o.kl_coef != 0) ref_.emplace(model, rl::ReferenceModelConfig{.update_every = 0, .offload = o.offload});
+    if (o.kl_coef != 0)
+      ref_.emplace(model, ep_.get(), rl::ReferenceModelConfig{.update_every = 0, .offload = o.offload});
     optim::AdamWConfig adamw;
     adamw.weight_decay = o.weight_decay;
-    policy_ = std::make_unique<Policy>(std::move(model), comm, parallel::ShardedOptions{}, adamw);
+    policy_ = mesh_ ? std::make_unique<Policy>(std::move(model), *mesh_, parallel::ShardedOptions{}, adamw)
+                    : std::make_unique<Policy>(std::move(model), comm, parallel::ShardedOptions{}, adamw);
     engine_model_ = std::make_unique<nn::Qwen3Model>(config_, nn::ModuleOptions{device, dtype_});
     engine_ = std::make_unique<rollout::Engine>(
         *engine_model_,
@@ -471,7 +499,7 @@ class Trainer {
   // (collective: every rank runs the same gathers).
   void sync_engine(int64_t version) {
     if (o_.offload) engine_->onload();
-    rollout::sync_colocated(ShardedWeights<Policy>{policy_.get()}, *engine_, version);
+    rollout::sync_colocated(ShardedWeights<Policy>{policy_.get(), ep_.get()}, *engine_, version);
     if (o_.offload) engine_->offload();
   }
 
@@ -480,14 +508,24 @@ class Trainer {
   void save(const fs::path& dir, int64_t step) {
     std::vector<io::TensorPiece> pieces;
     policy_->for_each_local_shard([&](const parallel::LocalShard& s) {
-      pieces.push_back({s.name, s.shape, s.begin, s.end, s.master.to(Device::cpu())});
+      if (!s.expert || !ep_) {
+        pieces.push_back({s.name, s.shape, s.begin, s.end, s.master.to(Device::cpu())});
+        return;
+      }
+      // This ep rank's slice, placed in the whole stack [E, ...] (so a run
+      // with another --ep reads it back).
+      const int64_t per = s.shape.numel() / s.shape[0], at = s.first_expert * per;
+      std::vector<int64_t> dims(s.shape.begin(), s.shape.end());
+      dims[0] = config_.num_experts;
+      pieces.push_back({s.name, Shape(dims), at + s.begin, at + s.end, s.master.to(Device::cpu())});
     });
     const int W = comm_.size(), r = comm_.rank();
     for (auto& [name, t] : policy_->optimizer().state_tensors()) {
       const int64_t k = t.numel();
       pieces.push_back({"optim." + name, Shape{k * W}, k * r, k * (r + 1), t.flatten().to(Device::cpu())});
     }
-    nlohmann::json meta = {{"step", step}, {"adamw_steps", policy_->optimizer().step_count()}, {"ranks", W}};
+    nlohmann::json meta = {
+        {"step", step}, {"adamw_steps", policy_->optimizer().step_count()}, {"ranks", W}, {"ep", o_.ep}};
     io::TrainStateSaveOptions so;
     so.keep_last = 2;
     io::save_train_state(comm_, dir, step, pieces, meta, so);
@@ -496,14 +534,15 @@ class Trainer {
   int64_t resume(const fs::path& dir) {
     const io::TrainStateReader reader = io::TrainStateReader::open_latest(dir);
     for (const std::string& name : policy_->parameter_names()) {
-      const Shape shape = reader.shape(name);
-      Tensor full = reader.read_range(name, 0, shape.numel()).reshape(shape);
-      policy_->load_parameter(name, full.to(device_));
+      const Shape shape = policy_->parameter_shape(name);  // an expert stack: this ep rank's slice
+      const int64_t first = policy_->parameter_first_expert(name), at = first * (shape.numel() / shape[0]);
+      Tensor mine = reader.read_range(name, at, at + shape.numel()).reshape(shape);
+      policy_->load_parameter(name, mine.to(device_));
     }
     const int W = comm_.size(), r = comm_.rank();
-    const int saved_ranks = reader.metadata().value("ranks", 0);
-    SLIME_CHECK(saved_ranks == W, "resume: the optimizer moments were saved by ", saved_ranks,
-                " ranks; resume with --ranks ", saved_ranks,
+    const int saved_ranks = reader.metadata().value("ranks", 0), saved_ep = reader.metadata().value("ep", 1);
+    SLIME_CHECK(saved_ranks == W && saved_ep == o_.ep, "resume: the optimizer moments were saved by ", saved_ranks,
+                " ranks with --ep ", saved_ep, "; resume with --ranks ", saved_ranks, " --ep ", saved_ep,
                 " (the parameters reshard, this example's moments do not)");
     auto states = policy_->optimizer().state_tensors();  // created with the policy, zero
     for (auto& [name, t] : states) {
@@ -520,7 +559,7 @@ class Trainer {
   void export_hf(const fs::path& dir) {
     const std::vector<std::string> names = policy_->parameter_names();
     if (comm_.rank() != 0) {
-      for (const std::string& name : names) (void)policy_->gather_parameter(name);
+      for (const std::string& name : names) (void)whole_parameter(*policy_, ep_.get(), name);
       return;
     }
     std::vector<io::SafetensorsEntry> entries;
@@ -534,10 +573,10 @@ class Trainer {
       SLIME_CHECK(it != params.end(), "export: no parameter '", name, "'");
       const nn::Parameter& p = **it;
       const Shape shape = policy_->parameter_shape(name);
-      if (p.is_expert_stack()) {
+      if (p.is_expert_stack()) {  // every expert (the ep ranks' slices gathered)
         const std::vector<int64_t> dims(shape.begin() + 1, shape.end());
-        for (int64_t e = 0; e < shape[0]; ++e) {
-          entries.push_back({p.expert_name(e), dtype_, Shape(std::span<const int64_t>(dims))});
+        for (int64_t e = 0; e < config_.num_experts; ++e) {
+          entries.push_back({p.expert_name(e - p.first_expert), dtype_, Shape(std::span<const int64_t>(dims))});
           source.emplace_back(pi, e);
         }
       } else {
@@ -551,7 +590,7 @@ class Trainer {
     io::export_hf_directory(dir, config_.to_json(), entries, [&](const io::SafetensorsEntry&) {
       const auto [p, e] = source[next++];
       if (cached != p) {
-        full = policy_->gather_parameter(names[p]);
+        full = whole_parameter(*policy_, ep_.get(), names[p]);
         cached = p;
       }
       const std::vector<int64_t> row(full.shape().begin() + 1, full.shape().end());
@@ -566,6 +605,8 @@ class Trainer {
   const Options& o_;
   comm::Comm& comm_;
   Device device_;
+  std::unique_ptr<comm::Mesh> mesh_;                // --ep > 1: dp_shard x ep
+  std::unique_ptr<parallel::ExpertParallel<>> ep_;  // --ep > 1 (outlives the models)
   DType dtype_ = DType::f32;
   nn::Qwen3Config config_;
   std::unique_ptr<data::Task> task_;

@@ -361,6 +361,50 @@ TEST_CASE("ExpertParallel: construction from a communicator or a mesh, and its d
   static_assert(ExpertParallel<8>::degree == 8);
 }
 
+TEST_CASE(
+    "ExpertParallel: init_parameters gives each ep rank its slice of the unsplit stack, gather_expert_stack "
+    "reassembles it",
+    "[moe][ep]") {
+  nn::MoeBlockConfig cfg;
+  cfg.hidden_size = 6;
+  cfg.moe_intermediate_size = 5;
+  cfg.num_experts = 8;
+  cfg.num_experts_per_tok = 2;
+  nn::SparseMoeBlock full("model.layers.1.mlp", cfg, {});
+  nn::init_parameters(full, 11, 0.5f);
+  std::vector<std::vector<float>> whole;
+  full.for_each_parameter([&](nn::Parameter& p) { whole.push_back(p.value.to_vector<float>()); });
+  for (int ep_size : {2, 4}) {
+    INFO("ep " << ep_size);
+    const auto ranks = std::size_t(ep_size);
+    std::vector<std::vector<std::vector<float>>> sliced(ranks), gathered(ranks);
+    std::vector<int64_t> firsts(ranks);
+    run(ep_size, [&](comm::Comm& world) {
+      ExpertParallel<> ep(world, cfg.num_experts);
+      nn::SparseMoeBlock mine("model.layers.1.mlp", cfg, {}, &ep);
+      nn::init_parameters(mine, 11, 0.5f);
+      const std::size_t r = std::size_t(world.rank());
+      firsts[r] = ep.first_expert();
+      mine.for_each_parameter([&](nn::Parameter& p) {
+        sliced[r].push_back(p.value.to_vector<float>());
+        gathered[r].push_back(p.is_expert_stack() ? ep.gather_expert_stack(p.value).to_vector<float>()
+                                                  : p.value.to_vector<float>());
+      });
+    });
+    for (std::size_t r = 0; r < std::size_t(ep_size); ++r) {
+      REQUIRE(sliced[r].size() == whole.size());
+      CHECK(sliced[r][0] == whole[0]);  // the gate: replicated
+      for (std::size_t i = 1; i < whole.size(); ++i) {
+        const std::size_t per = whole[i].size() / std::size_t(cfg.num_experts);
+        const std::size_t local = per * std::size_t(cfg.num_experts / ep_size);
+        const auto begin = whole[i].begin() + std::ptrdiff_t(std::size_t(firsts[r]) * per);
+        CHECK(sliced[r][i] == std::vector<float>(begin, begin + std::ptrdiff_t(local)));
+        CHECK(gathered[r][i] == whole[i]);
+      }
+    }
+  }
+}
+
 TEST_CASE("ExpertParallel rejects bad degrees, shapes and call orders", "[moe][ep][errors]") {
   CHECK_THROWS_WITH(run(4, [](comm::Comm& c) { ExpertParallel<> e(c, 6); }),
                     ContainsSubstring("num_experts = 6 does not divide over the ep group of 4 ranks"));

@@ -48,7 +48,8 @@ struct Parameter {
   Tensor value;
   Tensor grad;
   ParamInit init = ParamInit::normal;
-  int64_t first_expert = 0;  // stacked expert weights only (see above)
+  int64_t first_expert = 0;   // stacked expert weights only (see above)
+  int64_t stack_experts = 0;  // stacked expert weights: E of the whole stack (0: the value's dim 0)
 
   bool is_expert_stack() const { return name.find("{}") != std::string::npos; }
   // The HF name of stack entry i (requires is_expert_stack()).
@@ -125,17 +126,27 @@ int64_t num_parameters(M& module) {
 
 // Fills every parameter of `module` in visiting order: ParamInit::normal with
 // N(0, std) drawn from the counter-based stream `seed` at consecutive offsets
-// (so the values do not depend on the device), ParamInit::ones with 1.
+// (so the values do not depend on the device), ParamInit::ones with 1. A
+// slice of an expert stack (expert parallelism: experts [first_expert,
+// + dim 0) of stack_experts) takes the offsets its experts have in the whole
+// stack, so every ep rank holds the values of the unsplit model's slice.
 template <class M>
 void init_parameters(M& module, uint64_t seed, float std = 0.02f, const Stream& stream = {}) {
   uint64_t offset = 0;
   module.for_each_parameter([&](Parameter& p) {
-    if (p.init == ParamInit::ones) {
-      fill_uniform(p.value, seed, offset, 1.f, 1.f, stream);  // low = high = 1: exactly 1
-    } else {
-      fill_normal(p.value, seed, offset, 0.f, std, stream);
+    const int64_t n = p.value.numel();
+    uint64_t at = offset, span = uint64_t(n);
+    if (p.is_expert_stack() && p.stack_experts > 0 && p.value.size(0) > 0) {
+      const int64_t per = n / p.value.size(0);
+      at += uint64_t(p.first_expert * per);
+      span = uint64_t(p.stack_experts * per);
     }
-    offset += uint64_t(p.value.numel());
+    if (p.init == ParamInit::ones) {
+      fill_uniform(p.value, seed, at, 1.f, 1.f, stream);  // low = high = 1: exactly 1
+    } else {
+      fill_normal(p.value, seed, at, 0.f, std, stream);
+    }
+    offset += span;
   });
 }
 

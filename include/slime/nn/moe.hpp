@@ -134,6 +134,7 @@ struct SparseMoeBlock {
       p.name = prefix + ".experts.{}." + name + ".weight";
       p.value = Tensor::empty({local, out, in}, opt.dtype, opt.device);
       p.first_expert = first;
+      p.stack_experts = cfg.num_experts;
     };
     expert(gate_proj, "gate_proj", I, H);
     expert(up_proj, "up_proj", I, H);

@@ -206,6 +206,25 @@ class ExpertParallel<dynamic_degree> {
   int64_t num_local_experts() const { return num_local_; }
   // This rank's experts are [first_expert(), first_expert() + num_local_experts()).
   int64_t first_expert() const { return first_; }
+  // The whole stack [E, ...] of an expert weight from every ep rank's slice
+  // [E_local, ...] (collective over the ep group: all ranks call it, in the
+  // same order). For the rollout engine or an export, which hold all experts.
+  // Degree 1: `slice` itself.
+  Tensor gather_expert_stack(const Tensor& slice, const Stream& stream = {}) const {
+    SLIME_CHECK(slice.defined() && slice.dim() >= 1 && slice.size(0) == num_local_,
+                "ExpertParallel::gather_expert_stack: the slice must be [E_local = ", num_local_, ", ...], got ",
+                slice.defined() ? slice.str() : std::string("an undefined tensor"));
+    SLIME_CHECK(slice.device() == device(), "ExpertParallel::gather_expert_stack: the slice is ", slice.str(),
+                " but the ep communicator works on ", device());
+    if (size() == 1) return slice;
+    std::vector<int64_t> dims(slice.shape().begin(), slice.shape().end());
+    dims[0] = num_experts_;
+    Tensor full = Tensor::empty(Shape(dims), slice.dtype(), slice.device(), stream);
+    Tensor flat = full.flatten();
+    comm_->all_gather(slice.flatten(), flat, stream);
+    return full;
+  }
+
   // The rank that owns global expert e.
   int owner(int64_t expert) const {
     SLIME_CHECK(expert >= 0 && expert < num_experts_, "ExpertParallel::owner: expert ", expert, " is not in [0, ",

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "slime/core/tensor.hpp"
@@ -50,7 +51,20 @@ class ReferenceModel {
   // A copy of `policy` (same config, device and dtype; weights copied), then
   // offloaded when config.offload.
   explicit ReferenceModel(Model& policy, ReferenceModelConfig config = {}, const Stream& stream = {})
-      : config_(config), model_(policy.config(), policy.options()) {
+      : ReferenceModel(Model(policy.config(), policy.options()), policy, config, stream) {}
+
+  // A policy built with expert parallelism (`ep`, which must outlive this):
+  // the reference holds the same experts' slice, and its forward exchanges
+  // tokens over the ep group like the policy's, so every ep rank must score
+  // the same number of micro-batches. Model must be constructible from
+  // (config(), options(), ep).
+  ReferenceModel(Model& policy, parallel::ExpertParallel<>* ep, ReferenceModelConfig config = {},
+                 const Stream& stream = {})
+      : ReferenceModel(Model(policy.config(), policy.options(), ep), policy, config, stream) {}
+
+ private:
+  ReferenceModel(Model&& fresh, Model& policy, ReferenceModelConfig config, const Stream& stream)
+      : config_(config), model_(std::move(fresh)) {
     SLIME_CHECK(config_.update_every >= 0, "ReferenceModel: update_every must be >= 0 (0: never), got ",
                 config_.update_every);
     model_.for_each_parameter([&](nn::Parameter& p) { names_.push_back(p.name); });
@@ -58,6 +72,7 @@ class ReferenceModel {
     if (config_.offload) offload(stream);
   }
 
+ public:
   const ReferenceModelConfig& config() const { return config_; }
   bool is_offloaded() const { return offload_.offloaded(); }
   // The wrapped model (its parameters are undefined while offloaded).
