@@ -13,9 +13,11 @@
 #include <cstdlib>
 #include <exception>
 #include <iostream>
+#include <memory>
 #include <numeric>
 #include <vector>
 
+#include "engine_server.hpp"
 #include "options.hpp"
 #include "slime/comm/bootstrap.hpp"
 #include "slime/comm/local_comm.hpp"
@@ -29,16 +31,39 @@ using rl_example::Options;
 using rl_example::StepReport;
 
 template <class Strategy>
-std::vector<StepReport> train_rank(const Options& o, comm::Comm& comm, Device device) {
-  rl_example::Trainer<Strategy> trainer(o, comm, device);
+std::vector<StepReport> train_rank(const Options& o, comm::Comm& comm, Device device,
+                                   const rl_example::RemoteRollout* remote) {
+  rl_example::Trainer<Strategy> trainer(o, comm, device, remote);
   return trainer.run();
 }
 
-std::vector<StepReport> run_rank(const Options& o, comm::Comm& comm, Device device) {
-  if (o.fsdp == "full") return train_rank<parallel::FullShard>(o, comm, device);
-  if (o.fsdp == "grad_op") return train_rank<parallel::ShardGradOp>(o, comm, device);
+std::vector<StepReport> train_rank(const Options& o, comm::Comm& comm, Device device,
+                                   const rl_example::RemoteRollout* remote) {
+  if (o.fsdp == "full") return train_rank<parallel::FullShard>(o, comm, device, remote);
+  if (o.fsdp == "grad_op") return train_rank<parallel::ShardGradOp>(o, comm, device, remote);
   SLIME_CHECK(o.fsdp == "no_shard", "--fsdp '", o.fsdp, "': expected full, grad_op or no_shard");
-  return train_rank<parallel::NoShard>(o, comm, device);
+  return train_rank<parallel::NoShard>(o, comm, device, remote);
+}
+
+// One rank of the world: a trainer with a colocated engine, or under
+// --rollout disaggregated a trainer (the first ranks) or an engine (the last
+// --engine-ranks ranks). Engine ranks return no reports.
+std::vector<StepReport> run_rank(const Options& o, comm::Comm& world, Device device) {
+  if (o.rollout_mode == "colocated") return train_rank(o, world, device, nullptr);
+  SLIME_CHECK(o.rollout_mode == "disaggregated", "--rollout '", o.rollout_mode,
+              "': expected colocated or disaggregated");
+  const int W = world.size(), G = o.engine_ranks, T = W - G;
+  SLIME_CHECK(G >= 1 && T >= 1, "--rollout disaggregated: --engine-ranks ", G, " must leave at least one of the ", W,
+              " ranks to train (and be >= 1)");
+  const bool engine = world.rank() >= T;
+  std::unique_ptr<comm::Comm> role = world.split(engine ? 1 : 0, world.rank());
+  std::unique_ptr<comm::Comm> sync = world.split(world.rank() == 0 || engine ? 0 : -1, world.rank());
+  const rl_example::RemoteRollout remote{&world, sync.get(), T, G};
+  if (engine) {
+    rl_example::serve_rollouts(o, remote, device);
+    return {};
+  }
+  return train_rank(o, *role, device, &remote);
 }
 
 // Mean reward over steps [first, last).
@@ -51,7 +76,9 @@ double mean_reward(const std::vector<StepReport>& r, std::size_t first, std::siz
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"qwen3_moe_rl: GRPO/GSPO on a Qwen3-MoE model with slime (FSDP, colocated rollout engine, TIS)"};
+  CLI::App app{
+      "qwen3_moe_rl: GRPO/GSPO on a Qwen3-MoE model with slime (FSDP, expert parallel, colocated or disaggregated "
+      "rollout engines, TIS)"};
   Options o;
   o.add_to(app);
   CLI11_PARSE(app, argc, argv);

@@ -40,10 +40,11 @@ struct Options {
   double weight_decay = 0.0;
   int64_t max_tokens_per_gpu = 4096;  // packing budget of one micro-batch
   // Parallelism and devices.
-  std::string fsdp = "full";  // full | grad_op | no_shard
-  int ep = 1;                 // expert-parallel degree (must divide the ranks and the experts)
-  std::string rollout_mode = "colocated";
-  bool offload = false;  // colocated: engine weights and KV cache leave the GPU while training
+  std::string fsdp = "full";               // full | grad_op | no_shard
+  int ep = 1;                              // expert-parallel degree (must divide the ranks and the experts)
+  std::string rollout_mode = "colocated";  // colocated | disaggregated
+  int engine_ranks = 1;                    // disaggregated: the last engine_ranks ranks run engines
+  bool offload = false;                    // colocated: engine weights and KV cache leave the GPU while training
   int ranks = 2;
   std::string device = "auto";  // auto | cpu | cuda
   // Output.
@@ -121,7 +122,12 @@ struct Options {
                    "experts shard like the rest)")
         ->capture_default_str()
         ->group(g);
-    app.add_option("--rollout", rollout_mode, "colocated (the engine shares each rank's device)")
+    app.add_option("--rollout", rollout_mode,
+                   "colocated (an engine shares each rank's device) | disaggregated (the last --engine-ranks ranks "
+                   "run engines; the weights travel by NCCL broadcast after every step)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--engine-ranks", engine_ranks, "disaggregated: how many of the ranks run engines")
         ->capture_default_str()
         ->group(g);
     app.add_flag("--offload", offload, "colocated: offload engine weights and KV cache during training")->group(g);

@@ -36,6 +36,7 @@
 #include <fmt/core.h>
 
 #include "options.hpp"
+#include "remote_rollout.hpp"
 #include "reward.hpp"
 #include "slime/comm/comm.hpp"
 #include "slime/comm/mesh.hpp"
@@ -55,6 +56,7 @@
 #include "slime/rl/policy_loss.hpp"
 #include "slime/rl/reference_model.hpp"
 #include "slime/rollout/engine.hpp"
+#include "slime/rollout/remote.hpp"
 #include "slime/rollout/weight_sync.hpp"
 
 namespace rl_example {
@@ -84,6 +86,11 @@ inline nn::Qwen3Config tiny_moe_config(int64_t vocab) {
   return c;
 }
 
+// The model's config: the built-in tiny model, or --model's config.json.
+inline nn::Qwen3Config model_config(const Options& o) {
+  return o.model.empty() ? tiny_moe_config(32) : nn::Qwen3Config::from_file(fs::path(o.model) / "config.json");
+}
+
 // One whole parameter of a sharded policy: gathered over the data-parallel
 // shards, and for an expert stack under expert parallelism (ep != nullptr)
 // over the ep ranks' slices as well. Collective: every rank calls it for the
@@ -101,6 +108,16 @@ template <class Policy>
 struct ShardedWeights {
   Policy* policy;
   parallel::ExpertParallel<>* ep = nullptr;
+  // Names, whole shapes and the master dtype, in for_each's order.
+  std::vector<rollout::WeightMeta> meta() const {
+    std::vector<rollout::WeightMeta> m;
+    for (const std::string& name : policy->parameter_names()) {
+      std::vector<int64_t> dims(policy->parameter_shape(name).begin(), policy->parameter_shape(name).end());
+      if (ep != nullptr && policy->is_expert_parameter(name)) dims[0] = ep->num_experts();
+      m.push_back({name, Shape(dims), DType::f32});
+    }
+    return m;
+  }
   template <class F>
   void for_each(F&& f) const {
     for (const std::string& name : policy->parameter_names()) f(name, whole_parameter(*policy, ep, name));
@@ -129,7 +146,10 @@ class Trainer {
  public:
   using Policy = parallel::Sharded<nn::Qwen3Model, Strategy>;
 
-  Trainer(const Options& o, comm::Comm& comm, Device device) : o_(o), comm_(comm), device_(device) {
+  // `remote`: disaggregated rollout (remote_rollout.hpp); null: an engine
+  // colocated on this rank's device.
+  Trainer(const Options& o, comm::Comm& comm, Device device, const RemoteRollout* remote = nullptr)
+      : o_(o), comm_(comm), device_(device), remote_(remote) {
     dtype_ = device.is_cuda() ? DType::bf16 : DType::f32;
     task_ = data::make_task(o.task);
     SLIME_CHECK(o.prompts_per_rollout % comm.size() == 0, "--prompts-per-rollout ", o.prompts_per_rollout,
@@ -137,10 +157,7 @@ class Trainer {
     SLIME_CHECK(o.samples_per_prompt >= 2, "--samples-per-prompt must be >= 2 (a group needs a baseline)");
     SLIME_CHECK(o.ep >= 1 && comm.size() % o.ep == 0, "--ep ", o.ep, " must be >= 1 and divide the ", comm.size(),
                 " ranks");
-    SLIME_CHECK(o.rollout_mode == "colocated", "--rollout ", o.rollout_mode,
-                ": this example runs the engine colocated on each rank's device; disaggregated engines use ",
-                "rollout::send_weights / receive_weights (see the README)");
-    config_ = o.model.empty() ? tiny_moe_config(32) : nn::Qwen3Config::from_file(fs::path(o.model) / "config.json");
+    config_ = model_config(o);
     if (o.ep > 1) {
       // Mesh dp_shard x ep (ep innermost): the experts split over the ep
       // ranks, and each slice shards over the dp ranks (Sharded's expert units).
@@ -176,18 +193,32 @@ class Trainer {
     adamw.weight_decay = o.weight_decay;
     policy_ = mesh_ ? std::make_unique<Policy>(std::move(model), *mesh_, parallel::ShardedOptions{}, adamw)
                     : std::make_unique<Policy>(std::move(model), comm, parallel::ShardedOptions{}, adamw);
-    engine_model_ = std::make_unique<nn::Qwen3Model>(config_, nn::ModuleOptions{device, dtype_});
-    engine_ = std::make_unique<rollout::Engine>(
-        *engine_model_,
-        rollout::EngineConfig{.max_batch = 256, .max_context = context, .kv_capacity = 0, .seed = o.seed});
+    if (remote_) {
+      if (remote_->sync) broadcast_command(*remote_->sync, EngineCommand::hello, context, device_);
+    } else {
+      engine_model_ = std::make_unique<nn::Qwen3Model>(config_, nn::ModuleOptions{device, dtype_});
+      engine_ = std::make_unique<rollout::Engine>(*engine_model_, engine_config(o, context));
+    }
     schedule_ = o.lr_schedule == "cosine"   ? optim::LrSchedule::cosine(o.lr, o.warmup_steps, o.steps, o.min_lr)
                 : o.lr_schedule == "warmup" ? optim::LrSchedule::linear_warmup(o.lr, std::max(o.warmup_steps, 1))
                                             : optim::LrSchedule::constant(o.lr);
     loss_config_ = loss_config(o);
   }
 
+  // The engine's configuration (colocated here, or on an engine rank).
+  static rollout::EngineConfig engine_config(const Options& o, int64_t context) {
+    return rollout::EngineConfig{.max_batch = 256, .max_context = context, .kv_capacity = 0, .seed = o.seed};
+  }
+
   // Runs the steps; rank 0 logs. Returns the per-step mean rewards (every rank).
   std::vector<StepReport> run() {
+    std::vector<StepReport> reports = run_steps();
+    if (remote_ && remote_->sync) broadcast_command(*remote_->sync, EngineCommand::stop, 0, device_);
+    return reports;
+  }
+
+ private:
+  std::vector<StepReport> run_steps() {
     const fs::path out = o_.out_dir, ckpt = out / "checkpoints";
     int64_t start = 0;
     if (o_.resume) start = resume(ckpt);
@@ -233,7 +264,6 @@ class Trainer {
     return reports;
   }
 
- private:
   static double value(const io::Scalars& m, std::string_view key) {
     for (const auto& [k, v] : m)
       if (k == key) return v;
@@ -284,9 +314,7 @@ class Trainer {
         requests.push_back(std::move(q));
       }
     }
-    if (o_.offload) engine_->onload();
-    const std::vector<rollout::Completion> done = engine_->generate(requests);
-    if (o_.offload) engine_->offload();
+    const std::vector<rollout::Completion> done = generate(requests);
     // Rewards: the task's verifier, or the user's function for a dataset.
     const int64_t N = int64_t(done.size());
     std::vector<float> rewards(static_cast<std::size_t>(N));
@@ -495,11 +523,36 @@ class Trainer {
 
   // ---- weights, checkpoints, export ------------------------------------------
 
-  // The policy's weights into the engine, one parameter gathered at a time
-  // (collective: every rank runs the same gathers).
-  void sync_engine(int64_t version) {
+  // This rank's completions: from the colocated engine, or from its engine rank.
+  std::vector<rollout::Completion> generate(const std::vector<rollout::Request>& requests) {
+    if (remote_) {
+      if (remote_->sync) broadcast_command(*remote_->sync, EngineCommand::rollout, 0, device_);
+      const int engine = remote_->engine_of(comm_.rank());
+      rollout::send_requests(*remote_->world, engine, requests, device_);
+      return rollout::recv_completions(*remote_->world, engine, device_);
+    }
     if (o_.offload) engine_->onload();
-    rollout::sync_colocated(ShardedWeights<Policy>{policy_.get(), ep_.get()}, *engine_, version);
+    std::vector<rollout::Completion> done = engine_->generate(requests);
+    if (o_.offload) engine_->offload();
+    return done;
+  }
+
+  // The policy's weights into the engine, one parameter gathered at a time
+  // (collective: every rank runs the same gathers). Disaggregated: trainer
+  // rank 0 broadcasts them to the engine ranks in buckets.
+  void sync_engine(int64_t version) {
+    const ShardedWeights<Policy> weights{policy_.get(), ep_.get()};
+    if (remote_) {
+      if (remote_->sync) {
+        broadcast_command(*remote_->sync, EngineCommand::weights, version, device_);
+        rollout::send_weights(*remote_->sync, weights, version, dtype_, device_);
+      } else {
+        weights.for_each([](const std::string&, const Tensor&) {});  // the gathers are collective
+      }
+      return;
+    }
+    if (o_.offload) engine_->onload();
+    rollout::sync_colocated(weights, *engine_, version);
     if (o_.offload) engine_->offload();
   }
 
@@ -605,6 +658,7 @@ class Trainer {
   const Options& o_;
   comm::Comm& comm_;
   Device device_;
+  const RemoteRollout* remote_ = nullptr;           // disaggregated rollout
   std::unique_ptr<comm::Mesh> mesh_;                // --ep > 1: dp_shard x ep
   std::unique_ptr<parallel::ExpertParallel<>> ep_;  // --ep > 1 (outlives the models)
   DType dtype_ = DType::f32;
