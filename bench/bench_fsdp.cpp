@@ -75,6 +75,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_models.hpp"
 #include "bench_util.hpp"
 #include "slime/comm/nccl_comm.hpp"
 #include "slime/core/memory.hpp"
@@ -102,19 +103,7 @@ struct BenchModel {
 };
 
 BenchModel dense_model() {
-  nn::Qwen3Config c;
-  c.vocab_size = 151936;
-  c.hidden_size = 1024;
-  c.intermediate_size = 3072;
-  c.num_hidden_layers = 24;
-  c.num_attention_heads = 16;
-  c.num_key_value_heads = 8;
-  c.head_dim = 128;
-  c.max_position_embeddings = 40960;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 1e6;
-  c.tie_word_embeddings = true;
-  c.torch_dtype = DType::bf16;
+  nn::Qwen3Config c = bench::dense_0p5b_config();
   return {"dense0.5b", c, 3, 10};
 }
 

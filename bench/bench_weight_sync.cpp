@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_models.hpp"
 #include "bench_util.hpp"
 #include "slime/comm/nccl_comm.hpp"
 #include "slime/nn/qwen3.hpp"
@@ -26,18 +27,7 @@ namespace {
 
 using namespace slime;
 
-nn::Qwen3Config dense_config() {
-  nn::Qwen3Config c;
-  c.vocab_size = 151936;
-  c.hidden_size = 1024;
-  c.intermediate_size = 3072;
-  c.num_hidden_layers = 24;
-  c.num_attention_heads = 16;
-  c.num_key_value_heads = 8;
-  c.head_dim = 128;
-  c.tie_word_embeddings = true;
-  return c;
-}
+nn::Qwen3Config dense_config() { return bench::dense_0p5b_config(); }
 
 double model_bytes(nn::Qwen3Model& m) { return double(nn::num_parameters(m)) * 2.0; }
 

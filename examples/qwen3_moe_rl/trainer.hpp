@@ -91,39 +91,6 @@ inline nn::Qwen3Config model_config(const Options& o) {
   return o.model.empty() ? tiny_moe_config(32) : nn::Qwen3Config::from_file(fs::path(o.model) / "config.json");
 }
 
-// One whole parameter of a sharded policy: gathered over the data-parallel
-// shards, and for an expert stack under expert parallelism (ep != nullptr)
-// over the ep ranks' slices as well. Collective: every rank calls it for the
-// same names in the same order.
-template <class Policy>
-Tensor whole_parameter(Policy& policy, parallel::ExpertParallel<>* ep, const std::string& name) {
-  Tensor t = policy.gather_parameter(name);
-  if (ep != nullptr && policy.is_expert_parameter(name)) t = ep->gather_expert_stack(t);
-  return t;
-}
-
-// A sharded policy as a weight source (rollout/weight_sync.hpp): one whole
-// parameter gathered at a time, so the extra memory is one parameter.
-template <class Policy>
-struct ShardedWeights {
-  Policy* policy;
-  parallel::ExpertParallel<>* ep = nullptr;
-  // Names, whole shapes and the master dtype, in for_each's order.
-  std::vector<rollout::WeightMeta> meta() const {
-    std::vector<rollout::WeightMeta> m;
-    for (const std::string& name : policy->parameter_names()) {
-      std::vector<int64_t> dims(policy->parameter_shape(name).begin(), policy->parameter_shape(name).end());
-      if (ep != nullptr && policy->is_expert_parameter(name)) dims[0] = ep->num_experts();
-      m.push_back({name, Shape(dims), DType::f32});
-    }
-    return m;
-  }
-  template <class F>
-  void for_each(F&& f) const {
-    for (const std::string& name : policy->parameter_names()) f(name, whole_parameter(*policy, ep, name));
-  }
-};
-
 // What rank 0 keeps of a step.
 struct StepReport {
   double reward = 0;
@@ -523,6 +490,9 @@ class Trainer {
 
   // ---- weights, checkpoints, export ------------------------------------------
 
+  // The policy as a weight source (whole parameters, every expert).
+  rollout::ShardedWeights<Policy> weights() const { return {policy_.get(), ep_.get()}; }
+
   // This rank's completions: from the colocated engine, or from its engine rank.
   std::vector<rollout::Completion> generate(const std::vector<rollout::Request>& requests) {
     if (remote_) {
@@ -541,7 +511,7 @@ class Trainer {
   // (collective: every rank runs the same gathers). Disaggregated: trainer
   // rank 0 broadcasts them to the engine ranks in buckets.
   void sync_engine(int64_t version) {
-    const ShardedWeights<Policy> weights{policy_.get(), ep_.get()};
+    const rollout::ShardedWeights<Policy> weights = this->weights();
     if (remote_) {
       if (remote_->sync) {
         broadcast_command(*remote_->sync, EngineCommand::weights, version, device_);
@@ -612,7 +582,7 @@ class Trainer {
   void export_hf(const fs::path& dir) {
     const std::vector<std::string> names = policy_->parameter_names();
     if (comm_.rank() != 0) {
-      for (const std::string& name : names) (void)whole_parameter(*policy_, ep_.get(), name);
+      for (const std::string& name : names) (void)weights().whole(name);
       return;
     }
     std::vector<io::SafetensorsEntry> entries;
@@ -643,7 +613,7 @@ class Trainer {
     io::export_hf_directory(dir, config_.to_json(), entries, [&](const io::SafetensorsEntry&) {
       const auto [p, e] = source[next++];
       if (cached != p) {
-        full = whole_parameter(*policy_, ep_.get(), names[p]);
+        full = weights().whole(names[p]);
         cached = p;
       }
       const std::vector<int64_t> row(full.shape().begin() + 1, full.shape().end());

@@ -15,6 +15,7 @@
 
 #include "slime/core/tensor.hpp"
 #include "slime/nn/packed_batch.hpp"
+#include "slime/nn/qwen3.hpp"
 
 namespace slime_test::fsdp {
 
@@ -72,6 +73,35 @@ std::string error_of(F&& f) {
     return e.what();
   }
   return "(no error)";
+}
+
+// The tiny Qwen3 the CPU FSDP tests train (vocab 37, hidden 16, 2 layers);
+// moe: Qwen3-MoE with layer 0 dense, layer 1 sparse (4 experts, top-2).
+inline slime::nn::Qwen3Config tiny_config(bool tied, bool moe = false) {
+  slime::nn::Qwen3Config c;
+  if (moe) {  // Qwen3-MoE: layer 0 dense, layer 1 sparse (4 experts, top-2)
+    c.model_type = "qwen3_moe";
+    c.num_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 12;
+    c.mlp_only_layers = {0};
+  }
+  c.vocab_size = 37;  // prime: the embedding rows never divide the ranks
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.rope_theta = 100.0;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+inline slime::nn::Qwen3Model make_model(const slime::nn::Qwen3Config& c, uint64_t seed = 7) {
+  slime::nn::Qwen3Model m(c, {});
+  m.init_random(seed, 0.2f);
+  return m;
 }
 
 }  // namespace slime_test::fsdp

@@ -36,39 +36,14 @@ using parallel::NoShard;
 using parallel::Sharded;
 using parallel::ShardGradOp;
 using slime_test::fsdp::error_of;
+using slime_test::fsdp::make_model;
 using slime_test::fsdp::max_rel_diff;
 using slime_test::fsdp::micro_batch;
 using slime_test::fsdp::MicroBatch;
 using slime_test::fsdp::Params;
+using slime_test::fsdp::tiny_config;
 
 namespace {
-
-nn::Qwen3Config tiny_config(bool tied, bool moe = false) {
-  nn::Qwen3Config c;
-  if (moe) {  // Qwen3-MoE: layer 0 dense, layer 1 sparse (4 experts, top-2)
-    c.model_type = "qwen3_moe";
-    c.num_experts = 4;
-    c.num_experts_per_tok = 2;
-    c.moe_intermediate_size = 12;
-    c.mlp_only_layers = {0};
-  }
-  c.vocab_size = 37;  // prime: the embedding rows never divide the ranks
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
-  c.rope_theta = 100.0;
-  c.tie_word_embeddings = tied;
-  return c;
-}
-
-nn::Qwen3Model make_model(const nn::Qwen3Config& c, uint64_t seed = 7) {
-  nn::Qwen3Model m(c, {});
-  m.init_random(seed, 0.2f);
-  return m;
-}
 
 struct RunConfig {
   int ranks = 1;

@@ -23,6 +23,7 @@
 #include "slime/optim/grad_clip.hpp"
 #include "slime/parallel/expert_parallel.hpp"
 #include "slime/parallel/sharded.hpp"
+#include "thread_checks.hpp"
 
 using namespace slime;
 using Catch::Matchers::ContainsSubstring;
@@ -37,6 +38,7 @@ using slime_test::fsdp::max_rel_diff;
 using slime_test::fsdp::micro_batch;
 using slime_test::fsdp::MicroBatch;
 using slime_test::fsdp::Params;
+using slime_test::fsdp::thread_checks;
 
 namespace {
 
@@ -154,28 +156,6 @@ Params reference_run(const RunConfig& rc) {
   model.for_each_parameter([&](nn::Parameter& p) { out[p.name] = p.value.to_vector<float>(); });
   return out;
 }
-
-// Catch2 (before 3.9) does not allow assertions off the main thread: checks
-// inside rank threads record their failures here, and the test case checks
-// the list on the main thread after the ranks joined.
-struct ThreadChecks {
-  std::mutex mutex;
-  std::vector<std::string> failures;
-  void check(bool ok, const char* what, int line) {
-    if (ok) return;
-    std::lock_guard lock(mutex);
-    failures.push_back(std::string(what) + " (line " + std::to_string(line) + ")");
-  }
-  void require_none() {
-    for (const std::string& f : failures) FAIL_CHECK("in a rank thread: " << f);
-    failures.clear();
-  }
-};
-ThreadChecks& thread_checks() {
-  static ThreadChecks c;
-  return c;
-}
-#define TCHECK(...) thread_checks().check(bool(__VA_ARGS__), #__VA_ARGS__, __LINE__)
 
 // Every rank trains on its own micro-batches (data rank = world rank); the
 // gathered parameters, expert stacks reassembled from the ep slices.

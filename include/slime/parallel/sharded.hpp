@@ -76,6 +76,50 @@
 // moments (8 / N). The compute shard is always a separate buffer (also when
 // the master and compute dtypes are equal). for_each_local_shard's masters
 // are then host tensors; gather_parameter returns a device tensor as before.
+//
+// Runtime offload (colocated training and rollout on one GPU): offload()
+// moves every device-resident piece of this rank's training state to pinned
+// host memory and frees its device memory; onload() brings it back bit for
+// bit (plain copies, no casts). With S = this rank's shard elements over all
+// units and a bf16 model (f32 model: master and compute are one buffer, 4 S
+// less), what moves, device -> pinned host, and back:
+//   master shards        4 S   (f32)     unless cpu_offload: pinned already, stay
+//   compute shards       2 S   (bf16)    (pinned: cpu_offload's staging shard)
+//   grad shards          4 S   (f32)     (pinned: cpu_offload's staging shard)
+//   AdamW moments        8 S   (f32)     unless cpu_offload: on the host already, stay
+//   unreduced gradients  4 x the unit's gathered elements, only for units that
+//                        hold them (GradientSync::at_end between micro-batches,
+//                        shard groups > 1); pinned buffers made at first need
+// = 18 S bytes each way at a step boundary (6 S with cpu_offload). A shard
+// group of one (NoShard replicas, any strategy on one rank, HybridShard's
+// replicas) has its gathered buffer = the compute shard: it moves with it.
+// Gathered buffers of sharded units (ShardGradOp's kept-gathered parameters,
+// FullShard's last unit after a forward) are dropped, not copied: the next
+// use all-gathers them again from the compute shards (collective, as always).
+// What stays: the module's op workspaces (attention, RMSNorm and embedding
+// backward scratch: sized by the step's tokens, not the parameters), the
+// streams and events, and whatever the caller holds (a forward Context's
+// activations, tensors returned by forward / token_logprobs).
+// The pinned buffers are allocated by the first offload and reused: later
+// cycles allocate no host memory (onload keeps them; offload_host_bytes()).
+// offload synchronises the host with the device (the copies must be done
+// before the device memory goes; the caller's stream and the communication
+// stream are drained); onload is stream-ordered (uploads on the communication
+// stream, the caller's stream waits for them). Device memory is freed in
+// stream order into CUDA's pool: memory_stats(device).current_bytes drops at
+// once and the pool hands the bytes to the next allocation in this process
+// (a colocated rollout::Engine); release_cached_memory(device) returns the
+// cached pool memory to the driver, for another process.
+// While offloaded: forward, backward, logits, token_logprobs(_backward),
+// loss_and_backward, zero_grad, grad_norm, optimizer_step and load_parameter
+// throw "Sharded is offloaded: call onload() first"; parameter_names,
+// gather_parameter (from the host masters, via device temporaries) and
+// for_each_local_shard (host masters) work; optimizer().state_tensors() is
+// empty (the moments are in pinned buffers; take handles after onload). The
+// nn::Parameter values and gradients of the module are undefined. offload()
+// when offloaded and onload() when not are no-ops. Offload at a step or
+// micro-batch boundary (after optimizer_step, or after a backward and before
+// the next micro-batch or optimizer_step); micro-batch counting carries over.
 #pragma once
 
 #include <cmath>
@@ -180,9 +224,134 @@ class Sharded {
   // Master shards and optimizer states on the host (ShardedOptions::cpu_offload).
   bool cpu_offload() const { return offload_; }
 
+  // ---- colocated memory (see the top of this file) -------------------------
+
+  // Device training state -> pinned host memory, its device memory freed.
+  // Synchronises the host. A no-op when offloaded.
+  void offload(const Stream& stream = {}) {
+    if (offloaded_) return;
+    const Stream s = switch_stream(stream);
+    wait_for_reductions(s);                  // s after the communication stream's work
+    if (offload_) params_uploaded_.wait(s);  // the staging shards' last uploads done before they are overwritten
+    for (std::size_t i = 0; i < units_.size(); ++i) release_gathered(i, s);
+    std::size_t bytes = 0;
+    auto down = [&](Tensor& host, const Tensor& dev) {
+      if (!host.defined()) host = Tensor::empty_pinned(dev.shape(), dev.dtype());
+      host.copy_from(dev, s);
+      bytes += dev.nbytes();
+    };
+    std::vector<std::pair<std::string, Tensor>> moments;
+    if (!offload_) moments = adamw_.state_tensors();  // exp_avg.i, exp_avg_sq.i: unit i
+    for (std::size_t i = 0; i < units_.size(); ++i) {
+      Unit& u = units_[i];
+      if (!offload_) down(u.host_master, u.master);
+      if (separate_compute_) down(u.host_compute, u.compute);
+      down(u.host_grad, u.grad_shard);
+      u.full_grad_offloaded = !u.direct_grads && u.full_grad.defined();
+      if (u.full_grad_offloaded) down(u.host_full_grad, u.full_grad);
+      if (!moments.empty()) {
+        down(u.host_exp_avg, moments[2 * i].second);
+        down(u.host_exp_avg_sq, moments[2 * i + 1].second);
+      }
+    }
+    moments.clear();
+    s.synchronize();
+    // The device buffers go (freed in order on the communication stream,
+    // where they were allocated, after the copies).
+    turn_.record(s);
+    turn_.wait(comm_stream_);
+    for (Unit& u : units_) {
+      for (nn::Parameter* p : u.params) {
+        p->value = Tensor{};
+        p->grad = Tensor{};
+      }
+      u.gathered = Tensor{};
+      u.full_grad = Tensor{};
+      u.compute = Tensor{};
+      u.grad_shard = Tensor{};
+      if (!offload_) u.master = u.host_master;  // checkpoint reads see the host copy
+    }
+    if (!offload_) {  // a stateless optimizer with the same step count; onload restores the moments
+      optim::AdamW stateless(adamw_.config());
+      stateless.set_step_count(adamw_.step_count());
+      adamw_ = std::move(stateless);
+    }
+    comm_stream_.synchronize();  // the frees done: the pool can hand the memory to any stream
+    transfer_bytes_ = bytes;
+    offloaded_ = true;
+  }
+
+  // The state back on the device, bit for bit. Stream-ordered: the uploads
+  // run on the communication stream and `stream` waits for them. A no-op
+  // when not offloaded.
+  void onload(const Stream& stream = {}) {
+    if (!offloaded_) return;
+    const Stream s = switch_stream(stream);
+    const Stream& c = comm_stream_;
+    turn_.record(s);
+    turn_.wait(c);
+    auto up = [&](const Tensor& host) {
+      Tensor t = Tensor::empty(host.shape(), host.dtype(), device_, c);
+      t.copy_from(host, c);
+      return t;
+    };
+    std::vector<Tensor> masters;
+    for (Unit& u : units_) {
+      if (!offload_) u.master = up(u.host_master);
+      u.compute = separate_compute_ ? up(u.host_compute) : u.master;
+      u.grad_shard = up(u.host_grad);
+      if (u.aliased) {
+        u.gathered = u.compute;
+        install_values(u);
+      }
+      if (u.direct_grads) {
+        u.full_grad = u.grad_shard;
+        install_grads(u);
+      } else if (u.full_grad_offloaded) {
+        u.full_grad = up(u.host_full_grad);
+        install_grads(u);
+        u.full_grad_offloaded = false;
+      }
+      u.gathered_ready.record(c);
+      u.grad_ready.record(c);
+      masters.push_back(u.master);
+    }
+    if (!offload_) {
+      adamw_.init_state(masters, c);  // zero moments on the device, overwritten here
+      auto moments = adamw_.state_tensors();
+      for (std::size_t i = 0; i < units_.size(); ++i) {
+        moments[2 * i].second.copy_from(units_[i].host_exp_avg, c);
+        moments[2 * i + 1].second.copy_from(units_[i].host_exp_avg_sq, c);
+      }
+    }
+    params_updated_.record(c);
+    if (offload_) params_uploaded_.record(c);  // the CPU AdamW waits for it before writing the staging shards
+    turn_.record(c);
+    turn_.wait(s);
+    offloaded_ = false;
+  }
+
+  bool offloaded() const { return offloaded_; }
+  // Bytes the last offload copied to the host (onload copies them back).
+  std::size_t offload_transfer_bytes() const { return transfer_bytes_; }
+  // Pinned bytes held for runtime offload (allocated by the first offload;
+  // cpu_offload's own master and staging shards not counted).
+  std::size_t offload_host_bytes() const {
+    std::size_t n = 0;
+    for (const Unit& u : units_) {
+      for (const Tensor* t : {&u.host_master, &u.host_full_grad, &u.host_exp_avg, &u.host_exp_avg_sq})
+        if (t->defined()) n += t->nbytes();
+      if (!offload_)
+        for (const Tensor* t : {&u.host_compute, &u.host_grad})
+          if (t->defined()) n += t->nbytes();
+    }
+    return n;
+  }
+
   // ---- the step (the calls of the wrapped model) --------------------------
 
   Tensor forward(const nn::PackedBatch& batch, Context& ctx, const Stream& stream = {}) {
+    check_onloaded("forward");
     const Stream s = compute_stream(stream);
     Hooks hooks{*this, s};
     return Units::forward(*module_, batch, ctx, s, hooks);
@@ -192,6 +361,7 @@ class Sharded {
   // them when this backward completes the step's micro-batches (or always,
   // with GradientSync::every_micro_batch).
   void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream = {}) {
+    check_onloaded("backward");
     const Stream s = compute_stream(stream);
     Hooks hooks{*this, s};
     sync_now_ = options_.gradient_sync == GradientSync::every_micro_batch || micro_batch_ + 1 == micro_batches_;
@@ -200,6 +370,7 @@ class Sharded {
   }
 
   Tensor logits(const Tensor& hidden, const Stream& stream = {}) {
+    check_onloaded("logits");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
     return module_->logits(hidden, s);
@@ -207,6 +378,7 @@ class Sharded {
 
   ops::TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& targets, float temperature = 1.f,
                                     const Stream& stream = {}) {
+    check_onloaded("token_logprobs");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
     return module_->token_logprobs(hidden, targets, temperature, s);
@@ -215,6 +387,7 @@ class Sharded {
   Tensor token_logprobs_backward(const Tensor& hidden, const Tensor& targets, float temperature,
                                  const ops::TokenLogprobs& fwd, const Tensor& grad_logprobs, const Tensor& grad_entropy,
                                  const Stream& stream = {}) {
+    check_onloaded("token_logprobs_backward");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
     ensure_full_grad(lm_head_unit_, s);
@@ -225,6 +398,7 @@ class Sharded {
   // (default: this batch's token count), one backward pass.
   nn::LossResult loss_and_backward(const nn::PackedBatch& batch, const Tensor& targets, float temperature = 1.f,
                                    std::optional<double> normalizer = std::nullopt, const Stream& stream = {}) {
+    check_onloaded("loss_and_backward");
     const Stream s = compute_stream(stream);
     const int64_t T = batch.num_tokens();
     const double n = normalizer.value_or(double(T));
@@ -252,6 +426,7 @@ class Sharded {
   // Zeroes the sharded gradients (and drops unreduced ones); call before the
   // first micro-batch of a step, as with the unwrapped model.
   void zero_grad(const Stream& stream = {}) {
+    check_onloaded("zero_grad");
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
     for (Unit& u : units_) {
@@ -267,6 +442,7 @@ class Sharded {
   // group; replicas hold equal gradients; NoShard with expert units: a second
   // one over ep). A host synchronisation.
   double grad_norm(const Stream& stream = {}) {
+    check_onloaded("grad_norm");
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
     return global_norm(s);
@@ -276,6 +452,7 @@ class Sharded {
   // max_grad_norm > 0 the gradients are first scaled by
   // clip_coefficient(global norm, max_grad_norm); returns that norm.
   std::optional<double> optimizer_step(double lr, double max_grad_norm = 0, const Stream& stream = {}) {
+    check_onloaded("optimizer_step");
     const Stream s = compute_stream(stream);
     SLIME_CHECK(micro_batch_ == 0, "Sharded::optimizer_step after ", micro_batch_, " of ", micro_batches_,
                 " micro-batches: the gradients are not reduced yet (set_micro_batches)");
@@ -384,6 +561,7 @@ class Sharded {
   // communication; call it on every rank (e.g. loading a checkpoint written
   // with another number of ranks).
   void load_parameter(std::string_view name, const Tensor& full, const Stream& stream = {}) {
+    check_onloaded("load_parameter");
     const Stream s = compute_stream(stream);
     const auto [u, i] = find(name);
     const FlatShardEntry& e = units_[u].layout.entries()[i];
@@ -407,9 +585,15 @@ class Sharded {
     float grad_scale = 1.f;           // applied after the reduction (expert units with avg: 1 / ep)
     FlatShardLayout layout;
     Tensor master, compute, grad_shard;
-    Tensor host_grad, host_compute;  // cpu_offload only: pinned staging shards (f32, compute dtype)
-    Tensor gathered;                 // defined while gathered (views installed)
-    Tensor full_grad;                // defined while unreduced gradients accumulate (views installed)
+    // Pinned: cpu_offload's staging shards (f32, compute dtype), made by the
+    // constructor; with runtime offload alone, the grad and compute shards'
+    // copies, made by the first offload.
+    Tensor host_grad, host_compute;
+    Tensor host_master, host_exp_avg, host_exp_avg_sq;  // runtime offload without cpu_offload (pinned, f32)
+    Tensor host_full_grad;                              // runtime offload of unreduced gradients (pinned, f32)
+    bool full_grad_offloaded = false;                   // host_full_grad holds the unit's unreduced gradients
+    Tensor gathered;                                    // defined while gathered (views installed)
+    Tensor full_grad;  // defined while unreduced gradients accumulate (views installed)
     Event gathered_ready, grad_ready, params_free;
   };
 
@@ -517,6 +701,7 @@ class Sharded {
     params_updated_ = Event(device_, false);
     grads_zeroed_ = Event(device_, false);
     params_uploaded_ = Event(device_, false);
+    turn_ = Event(device_, false);
 
     // The shards are built on the communication stream, after the work that
     // wrote the module's values (the device's default stream).
@@ -643,6 +828,18 @@ class Sharded {
     const double d = optim::global_grad_norm(dense, shard_comm_, s);
     const double e = optim::global_grad_norm(expert, expert_norm_comm_, s);
     return std::sqrt(d * d + e * e);
+  }
+
+  void check_onloaded(const char* where) const {
+    SLIME_CHECK(!offloaded_, "Sharded::", where, ": Sharded is offloaded: call onload() first");
+  }
+
+  // compute_stream(stream), ordered after the work queued on the previous one.
+  Stream switch_stream(const Stream& stream) {
+    turn_.record(last_stream_);
+    const Stream s = compute_stream(stream);
+    turn_.wait(s);
+    return s;
   }
 
   Stream compute_stream(const Stream& stream) {
@@ -803,6 +1000,9 @@ class Sharded {
   Stream comm_stream_, last_stream_;
   Event grads_reduced_, params_updated_, grads_zeroed_;
   Event params_uploaded_;  // cpu_offload: the last uploads from the staging shards
+  Event turn_;             // offload / onload: ordering between the caller's and the communication stream
+  bool offloaded_ = false;
+  std::size_t transfer_bytes_ = 0;
   int micro_batches_ = 1, micro_batch_ = 0;
   bool sync_now_ = true;
 };

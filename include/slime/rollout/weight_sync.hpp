@@ -4,9 +4,9 @@
 // A weight source is anything with
 //   std::vector<WeightMeta> meta();                      names, shapes, dtypes, in order
 //   template <class F> void for_each(F&& f);             f(name, const Tensor& full) in that order
-// (ModelWeights below wraps a Qwen3Model; a sharded trainer gathers one
-// parameter or unit at a time inside for_each, so it never holds the whole
-// model twice).
+// (ModelWeights below wraps a Qwen3Model; ShardedWeights a sharded trainer,
+// gathering one parameter at a time inside for_each, so it never holds the
+// whole model twice).
 //
 // Colocated (trainer and engine in one process, `sync_colocated`): each
 // tensor the source yields is copied, cast when the dtypes differ, straight
@@ -43,6 +43,7 @@
 #include "slime/core/tensor.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/ops/elementwise.hpp"
+#include "slime/parallel/expert_parallel.hpp"
 #include "slime/rollout/engine.hpp"
 
 namespace slime::rollout {
@@ -101,6 +102,42 @@ struct ModelWeights {
   template <class F>
   void for_each(F&& f) const {
     model->for_each_parameter([&](nn::Parameter& p) { f(p.name, p.value); });
+  }
+};
+
+// A sharded trainer (parallel::Sharded, anything with parameter_names,
+// parameter_shape, gather_parameter and is_expert_parameter) as a weight
+// source: one whole parameter gathered at a time, so the extra memory is one
+// parameter. Under expert parallelism (`ep`) an expert stack is gathered
+// over the ep ranks' slices too (ExpertParallel::gather_expert_stack), so
+// the engine receives every expert. Collective over the trainer's ranks:
+// every rank must iterate (for_each, or whole() per name in the same order),
+// also those that send nothing.
+template <class Policy>
+struct ShardedWeights {
+  Policy* policy;
+  parallel::ExpertParallel<>* ep = nullptr;
+
+  // The whole parameter `name` (f32 master values).
+  Tensor whole(const std::string& name) const {
+    Tensor t = policy->gather_parameter(name);
+    if (ep != nullptr && policy->is_expert_parameter(name)) t = ep->gather_expert_stack(t);
+    return t;
+  }
+  // Names, whole shapes and the master dtype, in for_each's order.
+  std::vector<WeightMeta> meta() const {
+    std::vector<WeightMeta> m;
+    for (const std::string& name : policy->parameter_names()) {
+      const Shape& shape = policy->parameter_shape(name);
+      std::vector<int64_t> dims(shape.begin(), shape.end());
+      if (ep != nullptr && policy->is_expert_parameter(name)) dims[0] = ep->num_experts();
+      m.push_back({name, Shape(dims), DType::f32});
+    }
+    return m;
+  }
+  template <class F>
+  void for_each(F&& f) const {
+    for (const std::string& name : policy->parameter_names()) f(name, whole(name));
   }
 };
 

@@ -1,0 +1,28 @@
+// bench/bench_models.hpp: the model configurations the benchmarks share.
+#pragma once
+
+#include "slime/nn/config.hpp"
+
+namespace slime::bench {
+
+// "dense0.5b": a ~0.5B dense Qwen3 (hidden 1024, 24 layers, 16 / 8 heads,
+// head_dim 128, intermediate 3072, vocab 151936, tied embeddings; 0.53 B
+// parameters, 1.07 GB in bf16).
+inline nn::Qwen3Config dense_0p5b_config() {
+  nn::Qwen3Config c;
+  c.vocab_size = 151936;
+  c.hidden_size = 1024;
+  c.intermediate_size = 3072;
+  c.num_hidden_layers = 24;
+  c.num_attention_heads = 16;
+  c.num_key_value_heads = 8;
+  c.head_dim = 128;
+  c.max_position_embeddings = 40960;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1e6;
+  c.tie_word_embeddings = true;
+  c.torch_dtype = DType::bf16;
+  return c;
+}
+
+}  // namespace slime::bench
