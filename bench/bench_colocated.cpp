@@ -21,10 +21,10 @@
 // reservation):
 //   train_peak      (a) one training step, the engine offloaded
 //   rollout_peak    (b) one generate, the policy offloaded
-//   colocated_peak  (c) one colocated step: train step, sync_colocated of the
-//                   gathered weights into the offloaded engine's pinned
-//                   weights, policy offload, engine onload, generate, engine
-//                   offload, policy onload
+//   colocated_peak  (c) one colocated step: train step, engine onload (its
+//                   weights), sync_colocated of the gathered weights (device
+//                   to device), policy offload, generate (the KV arena),
+//                   engine offload, policy onload
 //   resident_peak   (d) the same work with nothing offloaded (train step,
 //                   sync into the device engine, generate)
 // printed with (a) + (b) (two GPUs' worth) beside (c) and (d).
@@ -201,9 +201,9 @@ int main() {
     double sync_s = 0;
     const auto [colocated_peak, colocated_s] = peak_of([&] {
       train_step();
+      engine.onload();  // the engine's weights (1 GiB) while the step's activations are gone
       sync_s = rollout::sync_colocated(rollout::ShardedWeights<Policy>{&sh}, engine, ++version).seconds;
       sh.offload();
-      engine.onload();
       generate();
       engine.offload();
       sh.onload();
