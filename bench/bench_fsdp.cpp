@@ -1,5 +1,6 @@
-// bench/bench_fsdp.cpp: the FSDP train step of a ~0.5B dense Qwen3 and of a
-// small Qwen3-MoE on 1 and 2 H200s, Sharded<Qwen3Model, FullShard> over
+// bench/bench_fsdp.cpp: the FSDP train step of dense Qwen3s (~0.5B and
+// Qwen3-1.7B's shape) and of a small Qwen3-MoE (with and without expert
+// parallelism) on 1 and 2 H200s, Sharded<Qwen3Model, FullShard> over
 // NcclComm, beside PyTorch FSDP2 on transformers' Qwen3ForCausalLM /
 // Qwen3MoeForCausalLM (bench/torch_fsdp2.py, which also prints the
 // side-by-side table with the 1 -> 2 GPU scaling).
@@ -7,6 +8,16 @@
 // Model "dense0.5b" (Qwen3-0.6B's shape with 24 layers): hidden 1024, 24
 // layers, 16 heads / 8 KV heads, head_dim 128, intermediate 3072, vocab
 // 151936, tied embeddings, rope_theta 1e6: 533.1M parameters.
+// Model "dense1.7b" (Qwen3-1.7B's shape; opt-in, see Selection): hidden 2048,
+// 28 layers, 16 heads / 8 KV heads, head_dim 128, intermediate 6144, vocab
+// 151936, tied embeddings, rope_theta 1e6, rms_norm_eps 1e-6: 1720.6M
+// parameters (1409.4M outside the embedding). The same 8 x 2048 tokens per
+// GPU as the others: torch's side fits one 139 GiB H200 (estimate, from
+// dense0.5b's measured 60.6 GiB: fp32 parameters + gradients + AdamW moments
+// 16 B x 1.72 G = 25.6 GiB, saved activations of eager transformers about
+// 104 KB per token and layer = 44.6 GiB, fp32 logits, their log-softmax and
+// its gradient about 28 GiB: ~100 GiB on 1 GPU, ~88 GiB on 2); if it does
+// not, its row reports the out-of-memory error instead of a time.
 // Model "moe" (Qwen3-MoE, no expert parallelism: the stacked expert weights
 // shard like any parameter of their layer's unit): hidden 1024, 8 layers, 16
 // heads / 4 KV heads, head_dim 64, every layer sparse (decoder_sparse_step 1,
@@ -18,7 +29,21 @@
 // side). The MoE forward copies each sparse layer's expert group sizes to the
 // host (SparseMoeBlock::host_group_sizes, the default: cuBLAS grouped GEMMs),
 // one stream synchronisation per sparse layer and step.
-// Both: random init (std 0.02, norm weights 1), bf16 compute, fp32 master
+// Model "moe_ep2" (slime only, 2 GPUs only, opt-in: FSDP2 has no expert
+// parallelism to compare with): the "moe" model with expert parallelism, a
+// comm::Mesh dp_shard 1 x ep 2 over the 2 ranks: each GPU holds 16 of the 32
+// experts of every layer (ExpertParallel<>, the model built with it; its
+// slice sharded over dp_shard = 1 rank, i.e. whole on the GPU), the dense
+// units (embedding, attention, norms, routers, LM head) sharded over both
+// GPUs (dp_shard x ep). Each rank routes its own tokens; the expert rows go
+// to their expert's GPU and back by all_to_all_v, which needs host-side row
+// counts: one device-to-host copy and stream synchronisation per sparse layer
+// in the forward (ExpertParallel::dispatch; it replaces host_group_sizes' one,
+// so as many as "moe"). The initial weights are the unsplit model's
+// (nn::init_parameters gives each ep rank its slice's values), so loss_first
+// equals fsdp/moe/gpus2's up to bf16 rounding. Compare with fsdp/moe/gpus2:
+// the same model, tokens and FLOP, the experts exchanged instead of gathered.
+// All: random init (std 0.02, norm weights 1), bf16 compute, fp32 master
 // weights, fp32 gradient reduction, AdamW (lr 1e-5, betas 0.9 / 0.999, eps
 // 1e-8, weight decay 0.01, no grad clipping). No activation checkpointing
 // (neither side).
@@ -44,15 +69,34 @@
 // 2 ranks for gpus2 (FullShard: all-gathers prefetched on the communication
 // stream, reduce-scatters overlapped with the backward).
 //
+// Selection: the rows of the models named in the environment variable
+// SLIME_BENCH_FSDP_MODELS (comma-separated; "all" for every model), read when
+// the benchmarks are registered; default "dense0.5b,moe" (the rows
+// tools/gpu-test.sh runs within its 90 s: fsdp/dense0.5b/gpus1, gpus2,
+// fsdp/moe/gpus1, gpus2). An unknown name is an error. --benchmark_filter
+// selects among the registered rows as usual. The other rows:
+//   fsdp/dense1.7b/gpus1, fsdp/dense1.7b/gpus2, fsdp/moe_ep2/gpus2
+// reproduced (from the repository root, 2 GPUs; torch's side measures
+// dense1.7b only: moe_ep2 has no FSDP2 counterpart) by
+//   SLIME_BENCH_FSDP_MODELS=dense1.7b,moe_ep2 build/gpu/bench/bench_fsdp \
+//       --benchmark_out=bench_fsdp_new.json --benchmark_out_format=json
+//   python3 bench/torch_fsdp2.py --models dense1.7b --out torch_fsdp_new.json
+//   torchrun --nproc-per-node 2 bench/torch_fsdp2.py --models dense1.7b \
+//       --append --out torch_fsdp_new.json
+//   python3 bench/torch_fsdp2.py --table --slime bench_fsdp_new.json \
+//       --out torch_fsdp_new.json
+// (SLIME_BENCH_FSDP_MODELS=all and --models all measure every row, the
+// comparison rows fsdp/moe/gpus2 included).
+//
 // Method: build, `warmup` untimed steps (the first one's loss is checked:
 // finite and within 1 of ln(vocab), as for any near-uniform random init),
 // barrier, reset the peak of slime::memory_stats(device), `steps` steps with a
 // CUDA event on the compute stream before each and after the last, then one
-// synchronisation: dense0.5b 3 warm-up + 10 timed, moe 2 + 5 (torch's side
-// takes as long per step as several of slime's: both programs stay within
-// their 90 s in tools/gpu-test.sh). A step's time is the slowest rank's; the
-// reported iteration time (us) is the median over the timed steps (one Google
-// Benchmark iteration holds the whole measurement).
+// synchronisation: dense0.5b and dense1.7b 3 warm-up + 10 timed, moe and
+// moe_ep2 2 + 5 (torch's side takes as long per step as several of slime's:
+// both programs stay within their 90 s in tools/gpu-test.sh). A step's time is
+// the slowest rank's; the reported iteration time (us) is the median over the
+// timed steps (one Google Benchmark iteration holds the whole measurement).
 // Counters (per configuration):
 //   tokens_per_s     ranks * 16384 / median step time (all GPUs together)
 //   peak_gib         max over ranks of memory_stats(device).peak_bytes during
@@ -63,7 +107,12 @@
 //   tflops           model FLOP per GPU per second: 6 * tokens * matmul params
 //                    active per token (lm head included; MoE layers: router
 //                    + top-k experts) + 6 * layers * seqs * 2048^2 * heads *
-//                    head_dim (causal attention, forward + backward)
+//                    head_dim (causal attention, forward + backward). Under
+//                    expert parallelism the same per GPU: each GPU computes
+//                    its own tokens' dense layers and, on average, as many
+//                    expert rows (its experts' rows from both GPUs) as
+//                    without it (routing imbalance shows as time, not FLOP)
+//   ep               the expert-parallel degree (1: none)
 //   mean_us, min_us, max_us, loss_first, loss_last, gpus, tokens_per_step,
 //   steps (timed)
 #include <benchmark/benchmark.h>
@@ -71,18 +120,22 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "bench_models.hpp"
 #include "bench_util.hpp"
+#include "slime/comm/mesh.hpp"
 #include "slime/comm/nccl_comm.hpp"
 #include "slime/core/memory.hpp"
 #include "slime/core/stream.hpp"
 #include "slime/core/tensor.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
+#include "slime/parallel/expert_parallel.hpp"
 #include "slime/parallel/sharded.hpp"
 
 namespace {
@@ -94,17 +147,37 @@ constexpr int64_t kSeqLen = 2048;  // tokens per sequence
 constexpr double kLr = 1e-5;
 constexpr double kGiB = double(int64_t(1) << 30);
 
-// A benchmarked model: its row name, config and step counts.
+// A benchmarked model: its row name, config, step counts, expert-parallel
+// degree and GPU counts.
 struct BenchModel {
   std::string name;
   nn::Qwen3Config config;
   int warmup = 3;  // untimed steps
   int steps = 10;  // timed steps; the median is reported
+  int ep = 1;      // expert-parallel degree: mesh dp_shard (ranks / ep) x ep when > 1
+  std::vector<int> gpus = {1, 2};
+  std::string description;  // for the benchmark context
 };
 
 BenchModel dense_model() {
-  nn::Qwen3Config c = bench::dense_0p5b_config();
-  return {"dense0.5b", c, 3, 10};
+  return {"dense0.5b",
+          bench::dense_0p5b_config(),
+          3,
+          10,
+          1,
+          {1, 2},
+          "Qwen3 hidden 1024, 24 layers, 16/8 heads, head_dim 128, intermediate 3072, vocab 151936, tied"};
+}
+
+BenchModel dense_1p7b_model() {
+  return {"dense1.7b",
+          bench::dense_1p7b_config(),
+          3,
+          10,
+          1,
+          {1, 2},
+          "Qwen3-1.7B's shape: hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, vocab 151936, "
+          "tied"};
 }
 
 BenchModel moe_model() {
@@ -130,10 +203,68 @@ BenchModel moe_model() {
   c.mlp_only_layers = {};
   c.output_router_logits = false;  // no load-balancing loss
   c.validate();
-  return {"moe", c, 2, 5};
+  return {"moe",
+          c,
+          2,
+          5,
+          1,
+          {1, 2},
+          "Qwen3-MoE hidden 1024, 8 layers (all sparse), 16/4 heads, head_dim 64, 32 experts top-4, "
+          "moe_intermediate 384, norm_topk_prob, vocab 32000, untied, no expert parallelism, no aux loss"};
 }
 
-// Model FLOP of one rank's step (see the file comment).
+// "moe" with its experts split over 2 GPUs (mesh dp_shard 1 x ep 2).
+BenchModel moe_ep2_model() {
+  BenchModel m = moe_model();
+  m.name = "moe_ep2";
+  m.ep = 2;
+  m.gpus = {2};
+  m.description =
+      "moe with expert parallelism: mesh dp_shard 1 x ep 2, 16 of the 32 experts per GPU (all_to_all_v token "
+      "exchange), dense units sharded over both GPUs (slime only)";
+  return m;
+}
+
+// Every model, in row order.
+std::vector<BenchModel> all_models() { return {dense_model(), moe_model(), dense_1p7b_model(), moe_ep2_model()}; }
+
+constexpr const char* kDefaultModels = "dense0.5b,moe";  // tools/gpu-test.sh's rows
+
+// The models named in SLIME_BENCH_FSDP_MODELS (default kDefaultModels; "all":
+// every model), in all_models()' order. Throws for an unknown or no name.
+std::vector<BenchModel> selected_models() {
+  const char* env = std::getenv("SLIME_BENCH_FSDP_MODELS");
+  const std::string spec = env != nullptr ? env : kDefaultModels;
+  const std::vector<BenchModel> all = all_models();
+  std::vector<std::string> names;
+  std::size_t begin = 0;
+  while (begin <= spec.size()) {
+    std::size_t end = spec.find(',', begin);
+    if (end == std::string::npos) end = spec.size();
+    std::string name = spec.substr(begin, end - begin);
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    if (!name.empty()) names.push_back(name);
+    begin = end + 1;
+  }
+  std::string known;
+  for (const BenchModel& bm : all) known += (known.empty() ? "" : ", ") + bm.name;
+  SLIME_CHECK(!names.empty(), "SLIME_BENCH_FSDP_MODELS='", spec, "' names no model (models: ", known, ", or all)");
+  for (const std::string& n : names) {
+    bool found = n == "all";
+    for (const BenchModel& bm : all) found |= bm.name == n;
+    SLIME_CHECK(found, "SLIME_BENCH_FSDP_MODELS: unknown model '", n, "' (models: ", known, ", or all)");
+  }
+  std::vector<BenchModel> out;
+  for (const BenchModel& bm : all)
+    if (std::find(names.begin(), names.end(), bm.name) != names.end() ||
+        std::find(names.begin(), names.end(), "all") != names.end())
+      out.push_back(bm);
+  return out;
+}
+
+// Model FLOP of one rank's step (see the file comment; the same with and
+// without expert parallelism).
 double step_flop(const nn::Qwen3Config& c) {
   const double d = double(c.hidden_size), qd = double(c.num_attention_heads) * c.head_dim,
                kvd = double(c.num_key_value_heads) * c.head_dim;
@@ -185,22 +316,41 @@ double mean_nll(const Tensor& logprobs, const Stream& s) {
   return -sum / double(lp.size());
 }
 
+using ShardedQwen3 = parallel::Sharded<nn::Qwen3Model, parallel::FullShard>;
+
 // One rank's whole measurement (see the file comment).
 void train_rank(comm::NcclComm& comm, const BenchModel& bm, RankResult& out) {
   const Device dev = comm.device();
   const int world = comm.size();
   release_cached_memory(dev);  // a clean pool: reserved_bytes is this run's
   const nn::Qwen3Config& cfg = bm.config;
-  nn::Qwen3Model model(cfg, {dev, DType::bf16});
-  model.init_random(1, 0.02f, Stream::default_for(dev));  // the same weights on every rank
-  parallel::ShardedOptions options;                       // bf16 compute (the module's), fp32 master, fp32 reduction
+  // Expert parallelism: the mesh and the ExpertParallel (declared before the
+  // model and sh, so they outlive both).
+  std::unique_ptr<comm::Mesh> mesh;
+  std::unique_ptr<parallel::ExpertParallel<>> ep;
+  if (bm.ep > 1) {
+    SLIME_CHECK(world % bm.ep == 0, bm.name, ": ep ", bm.ep, " does not divide the ", world, " ranks");
+    mesh = std::make_unique<comm::Mesh>(
+        comm, comm::MeshShape{.dp_replicate = 1, .dp_shard = world / bm.ep, .cp = 1, .ep = bm.ep});
+    ep = std::make_unique<parallel::ExpertParallel<>>(*mesh, cfg.num_experts);
+  }
+  nn::Qwen3Model model(cfg, {dev, DType::bf16}, ep.get());
+  // The same weights on every rank (an ep rank: its slice of the unsplit model's).
+  model.init_random(1, 0.02f, Stream::default_for(dev));
+  parallel::ShardedOptions options;  // bf16 compute (the module's), fp32 master, fp32 reduction
   optim::AdamWConfig adamw;
   adamw.lr = kLr;
   adamw.beta1 = 0.9;
   adamw.beta2 = 0.999;
   adamw.eps = 1e-8;
   adamw.weight_decay = 0.01;
-  parallel::Sharded<nn::Qwen3Model, parallel::FullShard> sh(std::move(model), comm, options, adamw);
+  // Without expert parallelism over the communicator (as before the mesh
+  // existed); with it over the mesh: dense units over dp_shard x ep, expert
+  // units over dp_shard. (Returned as prvalues: sh is built in place.)
+  ShardedQwen3 sh = [&]() {
+    if (mesh) return ShardedQwen3(std::move(model), *mesh, options, adamw);
+    return ShardedQwen3(std::move(model), comm, options, adamw);
+  }();
 
   const Stream s = Stream::create(dev);
   const RankData data = rank_data(comm.rank(), cfg.vocab_size, dev);
@@ -212,7 +362,7 @@ void train_rank(comm::NcclComm& comm, const BenchModel& bm, RankResult& out) {
 
   auto step = [&]() -> Tensor {
     sh.zero_grad(s);
-    parallel::Sharded<nn::Qwen3Model, parallel::FullShard>::Context ctx;
+    ShardedQwen3::Context ctx;
     const Tensor hidden = sh.forward(data.batch, ctx, s);
     ops::TokenLogprobs lp = sh.token_logprobs(hidden, data.targets, 1.f, s);
     const Tensor d_hidden = sh.token_logprobs_backward(hidden, data.targets, 1.f, lp, grad_lp, Tensor{}, s);
@@ -289,6 +439,7 @@ void run_fsdp(benchmark::State& state, const BenchModel& bm, int ranks) {
       state.counters["tokens_per_s"] = tokens_per_step / (median_ms * 1e-3);
       state.counters["tokens_per_step"] = tokens_per_step;
       state.counters["gpus"] = ranks;
+      state.counters["ep"] = bm.ep;
       state.counters["steps"] = n;
       state.counters["peak_gib"] = double(peak) / kGiB;
       state.counters["reserved_gib"] = double(reserved) / kGiB;
@@ -307,8 +458,15 @@ void run_fsdp(benchmark::State& state, const BenchModel& bm, int ranks) {
 int main(int argc, char** argv) {
   // Never NVLink multicast (shared hosts); an explicit setting is left alone.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
-  for (const BenchModel& bm : {dense_model(), moe_model()}) {
-    for (int ranks : {1, 2}) {
+  std::vector<BenchModel> models;
+  try {
+    models = selected_models();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_fsdp: %s\n", e.what());
+    return 2;
+  }
+  for (const BenchModel& bm : models) {
+    for (int ranks : bm.gpus) {
       // One iteration holds the whole measurement (warm-up + timed steps);
       // its time is the median step.
       bench::register_manual(
@@ -317,19 +475,21 @@ int main(int argc, char** argv) {
           /*iterations=*/1, /*repetitions=*/1);
     }
   }
-  return bench::run_benchmarks(argc, argv, [] {
-    benchmark::AddCustomContext("model",
-                                "dense0.5b: Qwen3 hidden 1024, 24 layers, 16/8 heads, head_dim 128, "
-                                "intermediate 3072, vocab 151936, tied");
-    benchmark::AddCustomContext("model_moe",
-                                "moe: Qwen3-MoE hidden 1024, 8 layers (all sparse), 16/4 heads, head_dim 64, "
-                                "32 experts top-4, moe_intermediate 384, norm_topk_prob, vocab 32000, untied, "
-                                "no expert parallelism, no aux loss");
-    benchmark::AddCustomContext("tokens_per_rank", std::to_string(kSeqs) + " x " + std::to_string(kSeqLen));
-    std::string steps;
-    for (const BenchModel& bm : {dense_model(), moe_model()})
+  return bench::run_benchmarks(argc, argv, [&models] {
+    // "model" and "model_moe" as before; "model_<name>" for the other models selected.
+    for (const BenchModel& bm : models)
+      benchmark::AddCustomContext(bm.name == "dense0.5b" ? std::string("model")
+                                  : bm.name == "moe"     ? std::string("model_moe")
+                                                         : "model_" + bm.name,
+                                  bm.name + ": " + bm.description);
+    std::string names, steps;
+    for (const BenchModel& bm : models) {
+      names += (names.empty() ? "" : ",") + bm.name;
       steps += (steps.empty() ? "" : "; ") + bm.name + ": " + std::to_string(bm.warmup) + " warm-up + " +
                std::to_string(bm.steps) + " timed";
+    }
+    benchmark::AddCustomContext("models", names + " (SLIME_BENCH_FSDP_MODELS; default " + kDefaultModels + ")");
+    benchmark::AddCustomContext("tokens_per_rank", std::to_string(kSeqs) + " x " + std::to_string(kSeqLen));
     benchmark::AddCustomContext("steps", steps);
     try {
       benchmark::AddCustomContext("nccl_version", comm::NcclComm::nccl_version());

@@ -25,4 +25,16 @@ inline nn::Qwen3Config dense_0p5b_config() {
   return c;
 }
 
+// "dense1.7b": Qwen3-1.7B's shape (hidden 2048, 28 layers, 16 / 8 heads,
+// head_dim 128, intermediate 6144, vocab 151936, tied embeddings, rope_theta
+// 1e6; 1.72 B parameters, 1.41 B of them outside the embedding, 3.44 GB in
+// bf16).
+inline nn::Qwen3Config dense_1p7b_config() {
+  nn::Qwen3Config c = dense_0p5b_config();
+  c.hidden_size = 2048;
+  c.intermediate_size = 6144;
+  c.num_hidden_layers = 28;
+  return c;
+}
+
 }  // namespace slime::bench

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Plot a slime metrics JSONL file (slime/io/metrics_log.hpp) to a PNG.
 
-One panel per quantity found in the file: reward, loss, KL, TIS weight and
-tokens/s, each holding every key that matches it (e.g. reward and reward_std),
+One panel per quantity found in the file: reward, loss, KL, TIS weight,
+tokens/s and the step phases, each holding every key that matches it (e.g. reward and reward_std),
 plotted against step. Keys are matched case-insensitively:
 
   reward      keys containing "reward"
@@ -10,6 +10,7 @@ plotted against step. Keys are matched case-insensitively:
   KL          keys equal to "kl" or starting with "kl_"/"kl/" or ending with "_kl"/"/kl"
   TIS weight  keys containing "tis" or "importance"
   tokens/s    keys containing "tok" and "/s" or "per_s" or "per_sec", or "throughput"
+  phases      rollout_seconds, train_seconds, sync_seconds (the RL example's step split)
 
 --keys a,b,c plots those keys instead, one panel each. Null values (NaN or inf
 when written) are gaps. A resumed run's repeated steps keep the last line.
@@ -32,6 +33,7 @@ PANELS = [
     ("KL", lambda k: re.search(r"(^|[_/])kl($|[_/])", k) is not None),
     ("TIS weight", lambda k: "tis" in k or "importance" in k),
     ("tokens/s", lambda k: "throughput" in k or ("tok" in k and re.search(r"(/s|per_s|per_sec)$", k) is not None)),
+    ("step phases (s)", lambda k: k in ("rollout_seconds", "train_seconds", "sync_seconds")),
 ]
 
 

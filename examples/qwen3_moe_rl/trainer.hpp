@@ -281,7 +281,13 @@ class Trainer {
         requests.push_back(std::move(q));
       }
     }
+    using clock = std::chrono::steady_clock;
+    const auto seconds = [](clock::time_point a, clock::time_point b) {
+      return std::chrono::duration<double>(b - a).count();
+    };
+    const auto rollout_start = clock::now();
     const std::vector<rollout::Completion> done = generate(requests);
+    const auto rollout_end = clock::now();
     // Rewards: the task's verifier, or the user's function for a dataset.
     const int64_t N = int64_t(done.size());
     std::vector<float> rewards(static_cast<std::size_t>(N));
@@ -347,7 +353,11 @@ class Trainer {
     }
     if (ref_ && o_.offload) ref_->offload();
     const std::optional<double> grad_norm = policy_->optimizer_step(schedule_.lr(step + 1), o_.max_grad_norm);
+    synchronize_device(device_);  // the phase timings below are of finished work
+    const auto train_end = clock::now();
     sync_engine(step + 1);
+    synchronize_device(device_);
+    const auto sync_end = clock::now();
     // Metrics: sums over ranks.
     double reward_sum = 0;
     for (float x : rewards) reward_sum += x;
@@ -380,7 +390,11 @@ class Trainer {
                      {"tokens", sums[12]},
                      {"response_length", sums[13] / sums[1]},
                      {"lr", schedule_.lr(step + 1)},
-                     {"grad_norm", grad_norm.value_or(0.0)}};
+                     {"grad_norm", grad_norm.value_or(0.0)},
+                     // rank 0's wall time of the step's phases
+                     {"rollout_seconds", seconds(rollout_start, rollout_end)},
+                     {"train_seconds", seconds(rollout_end, train_end)},
+                     {"sync_seconds", seconds(train_end, sync_end)}};
     return m;
   }
 

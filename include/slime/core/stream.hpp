@@ -131,4 +131,17 @@ class Event {
   std::shared_ptr<void> owner_;
 };
 
+// Blocks the host until all work on device `d` (every stream) has finished;
+// nothing on the CPU. For phase timings, not for hot paths.
+inline void synchronize_device(Device d) {
+#if SLIME_HAS_CUDA
+  if (d.is_cuda()) {
+    DeviceGuard guard(d);
+    SLIME_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+#else
+  (void)d;
+#endif
+}
+
 }  // namespace slime
