@@ -76,17 +76,17 @@
 // fsdp/moe/gpus1, gpus2). An unknown name is an error. --benchmark_filter
 // selects among the registered rows as usual. The other rows:
 //   fsdp/dense1.7b/gpus1, fsdp/dense1.7b/gpus2, fsdp/moe_ep2/gpus2
-// reproduced (from the repository root, 2 GPUs; torch's side measures
+// reproduced (from the repository root, on 2 GPUs; torch's side measures
 // dense1.7b only: moe_ep2 has no FSDP2 counterpart) by
-//   SLIME_BENCH_FSDP_MODELS=dense1.7b,moe_ep2 build/gpu/bench/bench_fsdp \
-//       --benchmark_out=bench_fsdp_new.json --benchmark_out_format=json
+//   SLIME_BENCH_FSDP_MODELS=dense1.7b,moe_ep2 build/gpu/bench/bench_fsdp --benchmark_out=bench_fsdp_new.json
 //   python3 bench/torch_fsdp2.py --models dense1.7b --out torch_fsdp_new.json
-//   torchrun --nproc-per-node 2 bench/torch_fsdp2.py --models dense1.7b \
-//       --append --out torch_fsdp_new.json
-//   python3 bench/torch_fsdp2.py --table --slime bench_fsdp_new.json \
-//       --out torch_fsdp_new.json
-// (SLIME_BENCH_FSDP_MODELS=all and --models all measure every row, the
-// comparison rows fsdp/moe/gpus2 included).
+//   torchrun --nproc-per-node 2 bench/torch_fsdp2.py --models dense1.7b --append --out torch_fsdp_new.json
+//   python3 bench/torch_fsdp2.py --table --slime bench_fsdp_new.json --out torch_fsdp_new.json
+// (--benchmark_out writes Google Benchmark's JSON, its default format). The
+// table takes several --slime files: `--slime bench_fsdp.json
+// bench_fsdp_new.json` (tools/gpu-test.sh's run, which has fsdp/moe/gpus2,
+// and this one) also prints moe_ep2 against moe on 2 GPUs.
+// SLIME_BENCH_FSDP_MODELS=all and --models all measure every row.
 //
 // Method: build, `warmup` untimed steps (the first one's loss is checked:
 // finite and within 1 of ln(vocab), as for any near-uniform random init),
@@ -160,24 +160,22 @@ struct BenchModel {
 };
 
 BenchModel dense_model() {
-  return {"dense0.5b",
-          bench::dense_0p5b_config(),
-          3,
-          10,
-          1,
-          {1, 2},
-          "Qwen3 hidden 1024, 24 layers, 16/8 heads, head_dim 128, intermediate 3072, vocab 151936, tied"};
+  return {
+      .name = "dense0.5b",
+      .config = bench::dense_0p5b_config(),
+      .warmup = 3,
+      .steps = 10,
+      .description = "Qwen3 hidden 1024, 24 layers, 16/8 heads, head_dim 128, intermediate 3072, vocab 151936, tied"};
 }
 
 BenchModel dense_1p7b_model() {
-  return {"dense1.7b",
-          bench::dense_1p7b_config(),
-          3,
-          10,
-          1,
-          {1, 2},
-          "Qwen3-1.7B's shape: hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, vocab 151936, "
-          "tied"};
+  return {.name = "dense1.7b",
+          .config = bench::dense_1p7b_config(),
+          .warmup = 3,
+          .steps = 10,
+          .description =
+              "Qwen3-1.7B's shape: hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, vocab 151936, "
+              "tied"};
 }
 
 BenchModel moe_model() {
@@ -203,14 +201,13 @@ BenchModel moe_model() {
   c.mlp_only_layers = {};
   c.output_router_logits = false;  // no load-balancing loss
   c.validate();
-  return {"moe",
-          c,
-          2,
-          5,
-          1,
-          {1, 2},
-          "Qwen3-MoE hidden 1024, 8 layers (all sparse), 16/4 heads, head_dim 64, 32 experts top-4, "
-          "moe_intermediate 384, norm_topk_prob, vocab 32000, untied, no expert parallelism, no aux loss"};
+  return {.name = "moe",
+          .config = c,
+          .warmup = 2,
+          .steps = 5,
+          .description =
+              "Qwen3-MoE hidden 1024, 8 layers (all sparse), 16/4 heads, head_dim 64, 32 experts top-4, "
+              "moe_intermediate 384, norm_topk_prob, vocab 32000, untied, no expert parallelism, no aux loss"};
 }
 
 // "moe" with its experts split over 2 GPUs (mesh dp_shard 1 x ep 2).
@@ -230,11 +227,12 @@ std::vector<BenchModel> all_models() { return {dense_model(), moe_model(), dense
 
 constexpr const char* kDefaultModels = "dense0.5b,moe";  // tools/gpu-test.sh's rows
 
-// The models named in SLIME_BENCH_FSDP_MODELS (default kDefaultModels; "all":
-// every model), in all_models()' order. Throws for an unknown or no name.
+// The models named in SLIME_BENCH_FSDP_MODELS (unset or empty:
+// kDefaultModels; "all": every model), in all_models()' order. Throws for an
+// unknown name or a list of none.
 std::vector<BenchModel> selected_models() {
   const char* env = std::getenv("SLIME_BENCH_FSDP_MODELS");
-  const std::string spec = env != nullptr ? env : kDefaultModels;
+  const std::string spec = env != nullptr && *env != 0 ? env : kDefaultModels;
   const std::vector<BenchModel> all = all_models();
   std::vector<std::string> names;
   std::size_t begin = 0;

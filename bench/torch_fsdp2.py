@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch FSDP2 baseline for bench/bench_fsdp.cpp, and the side-by-side table.
 
-The train step of two models, bench_fsdp's, each wrapped in FSDP2:
+The train step of bench_fsdp's models, each wrapped in FSDP2:
 fully_shard on every decoder layer and on the root,
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) over fp32
 parameters (the fp32 master), torch.optim.AdamW(fused=True, lr 1e-5, betas
@@ -12,6 +12,17 @@ attention, no activation checkpointing, eager (no torch.compile):
              8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied
              embeddings, rope_theta 1e6: 533.1M parameters. 3 warm-up + 10
              timed steps.
+  dense1.7b  (opt-in: --models) transformers' Qwen3ForCausalLM in Qwen3-1.7B's
+             shape: hidden 2048, 28 layers, 16 heads / 8 KV heads, head_dim
+             128, intermediate 6144, vocab 151936, tied embeddings, rope_theta
+             1e6, rms_norm_eps 1e-6: 1720.6M parameters. 3 warm-up + 10 timed
+             steps. The same 8 x 2048 tokens per GPU: estimated to fit one
+             139 GiB H200 (from dense0.5b's measured 60.6 GiB: fp32 parameters
+             + gradients + AdamW moments 16 B x 1.72 G = 25.6 GiB, saved
+             activations about 104 KB per token and layer = 44.6 GiB, fp32
+             logits, log-softmax and its gradient about 28 GiB: ~100 GiB on 1
+             GPU, ~88 GiB on 2); an out-of-memory error would be its row's
+             "error" (the token count is not shrunk).
   moe        transformers' Qwen3MoeForCausalLM from a Qwen3MoeConfig: hidden
              1024, 8 layers, 16 heads / 4 KV heads (head_dim 64 = hidden /
              heads), every layer sparse (decoder_sparse_step 1, no
@@ -29,6 +40,10 @@ attention, no activation checkpointing, eager (no torch.compile):
              after a failed attempt, "fallback"). 2 warm-up + 5 timed steps
              (the MoE steps of eager PyTorch are slow: both models' runs fit
              tools/gpu-test.sh's 90 s per process).
+
+bench_fsdp's "moe_ep2" (the moe model with expert parallelism, mesh dp_shard 1
+x ep 2) has no FSDP2 counterpart: the table shows slime's row alone, and
+beside slime's fsdp/moe/gpus2 when the --slime files hold both.
 
 Data, weak scaling as in bench_fsdp: every rank trains on its own 8 sequences
 of 2048 tokens per step, as a batch of 8 rows of 2048 (causal attention inside
@@ -52,22 +67,39 @@ median step time), peak_gib (torch.cuda.max_memory_allocated during the timed
 steps, max over ranks), reserved_gib (max_memory_reserved), tflops (model FLOP
 per GPU per second, bench_fsdp's formula: active matmul parameters), mean_us,
 min_us, max_us, loss_first, loss_last, gpus, tokens_per_step, params, steps.
-The models run one after the other in one process (dense0.5b first), each
-row written to --out as soon as it is measured; the memory of one is freed
-before the next.
+The models of --models run one after the other in one process (in the
+order dense0.5b, moe, dense1.7b), each row written to --out as soon as it is
+measured; the memory of one is freed before the next.
 
     python3 bench/torch_fsdp2.py --out torch_fsdp.json            # 1 GPU (a process group of one)
     torchrun --nproc-per-node 2 bench/torch_fsdp2.py --append --out torch_fsdp.json   # 2 GPUs
     python3 bench/torch_fsdp2.py --table --slime bench_fsdp.json --out torch_fsdp.json
 
---model picks one model (default: both). --warmup / --steps override both
-models' step counts. --append keeps the rows of --out for other GPU counts.
---table only prints (and exits 1 only when a correctness check failed or a
-file is missing) slime's rows (Google Benchmark JSON of bench_fsdp) beside
-these: step time, tokens/s, peak memory, their ratios (torch / slime for time
-and memory, slime / torch for tokens/s: > 1 means slime is better) and, per
-model, the 1 -> 2 GPU scaling (tokens/s on 2 GPUs / on 1; 2.00 is perfect
-weak scaling). NCCL_NVLS_ENABLE=0 unless the environment already sets it.
+The opt-in rows (fsdp/dense1.7b/gpus1 and gpus2 here; bench_fsdp's
+SLIME_BENCH_FSDP_MODELS selects its own, fsdp/moe_ep2/gpus2 included), on 2
+GPUs, from the repository root:
+
+    SLIME_BENCH_FSDP_MODELS=dense1.7b,moe_ep2 build/gpu/bench/bench_fsdp --benchmark_out=bench_fsdp_new.json
+    python3 bench/torch_fsdp2.py --models dense1.7b --out torch_fsdp_new.json
+    torchrun --nproc-per-node 2 bench/torch_fsdp2.py --models dense1.7b --append --out torch_fsdp_new.json
+    python3 bench/torch_fsdp2.py --table --slime bench_fsdp_new.json --out torch_fsdp_new.json
+
+(--slime bench_fsdp.json bench_fsdp_new.json: the default run's rows too, so
+moe_ep2 is shown against moe on 2 GPUs.)
+
+--models: comma-separated models to measure, default "dense0.5b,moe" (the
+rows tools/gpu-test.sh runs within its 90 s per process), "all" for every
+model of this script; --model is the same option. --warmup / --steps override
+the models' step counts. --append keeps the rows of --out for other GPU
+counts (and other models). --table only prints (and exits 1 only when a
+correctness check failed or a file is missing) slime's rows (Google Benchmark
+JSON of bench_fsdp; several --slime files are merged, a later file's row
+replacing an earlier one of the same name) beside these: step time, tokens/s,
+peak memory, their ratios (torch / slime for time and memory, slime / torch
+for tokens/s: > 1 means slime is better; slime-only rows show "-" for torch),
+per model the 1 -> 2 GPU scaling (tokens/s on 2 GPUs / on 1; 2.00 is perfect
+weak scaling) and slime's moe_ep2 against moe on 2 GPUs. NCCL_NVLS_ENABLE=0
+unless the environment already sets it.
 """
 
 import argparse
@@ -107,7 +139,38 @@ MODELS = {
         head_dim=64, warmup=2, steps=5, tied=False,
         description="Qwen3-MoE hidden 1024, 8 layers (all sparse), 16/4 heads, head_dim 64, 32 experts top-4, "
                     "moe_intermediate 384, norm_topk_prob, vocab 32000, untied, no expert parallelism, no aux loss"),
+    "dense1.7b": dict(
+        config_class="Qwen3Config",
+        config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                    rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_cache=False,
+                    attention_dropout=0.0, initializer_range=0.02),
+        head_dim=128, warmup=3, steps=10, tied=True,
+        description="Qwen3-1.7B's shape: hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, "
+                    "vocab 151936, tied"),
 }
+DEFAULT_MODELS = "dense0.5b,moe"  # tools/gpu-test.sh's rows
+# bench_fsdp's rows without an FSDP2 counterpart: name -> description, GPU counts, the model it is compared with.
+SLIME_ONLY = {
+    "moe_ep2": dict(
+        description="moe with expert parallelism: mesh dp_shard 1 x ep 2, 16 of the 32 experts per GPU "
+                    "(all_to_all_v token exchange), dense units sharded over both GPUs (slime only)",
+        gpus=(2,), compare="moe"),
+}
+TABLE_ORDER = [*MODELS, *SLIME_ONLY]
+
+
+def parse_models(spec):
+    """The models of --models ("a,b" or "all"), in MODELS' order; exits on an unknown or slime-only name."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        sys.exit(f"--models '{spec}' names no model (models: {', '.join(MODELS)}, or all)")
+    for n in names:
+        if n in SLIME_ONLY:
+            sys.exit(f"--models: {n} is bench_fsdp's only (FSDP2 has no counterpart); models: {', '.join(MODELS)}")
+        if n != "all" and n not in MODELS:
+            sys.exit(f"--models: unknown model '{n}' (models: {', '.join(MODELS)}, or all)")
+    return [m for m in MODELS if "all" in names or m in names]
 
 
 def bench_name(model, gpus):
@@ -312,7 +375,7 @@ def gc_cuda(device):
 
 
 def measure(args, record):
-    """Measures the models of --model in turn; record(row, ctx) on rank 0 after each. Returns (rank, failed)."""
+    """Measures the models of --models in turn; record(row, ctx) on rank 0 after each. Returns (rank, failed)."""
     import torch
     import torch.distributed as dist
     import transformers
@@ -329,7 +392,7 @@ def measure(args, record):
     world, rank = dist.get_world_size(), dist.get_rank()
 
     failed = False
-    for model_name in (list(MODELS) if args.model == "all" else [args.model]):
+    for model_name in parse_models(args.models):
         try:
             row, ctx = measure_model(args, transformers, model_name, device, world, rank)
         except (RuntimeError, TypeError, ValueError, ImportError, NotImplementedError, AttributeError,
@@ -353,17 +416,25 @@ def load_rows(path):
     return doc.get("results", []), doc.get("context", {})
 
 
+def row_model(name):
+    """"fsdp/<model>/gpus<N>" -> "<model>" ("" for another name)."""
+    parts = name.split("/")
+    return parts[1] if len(parts) > 1 else ""
+
+
 def print_table(slime, rows):
     """slime: bench_util.gbench_results of bench_fsdp's JSON; rows: this script's rows."""
     torch_rows = {r["bench"]: r for r in rows}
+    present = {row_model(n) for n in [*slime, *torch_rows]}
     print("fsdp: slime Sharded<Qwen3Model, FullShard> vs PyTorch FSDP2 (transformers Qwen3ForCausalLM / "
           f"Qwen3MoeForCausalLM), {SEQS} x {SEQ_LEN} tokens per GPU per step (weak scaling)")
-    for name, spec in MODELS.items():
-        print(f"  {name}: {spec['description']}")
+    for name, spec in [*MODELS.items(), *SLIME_ONLY.items()]:
+        if name in present:
+            print(f"  {name}: {spec['description']}")
     print("time x = torch / slime step time; tok/s x = slime / torch; mem x = torch / slime peak (> 1: slime better)")
     print(f"{'benchmark':<24} {'slime ms':>9} {'torch ms':>9} {'time x':>7} {'slime tok/s':>12} {'torch tok/s':>12} "
           f"{'tok/s x':>8} {'slime GiB':>10} {'torch GiB':>10} {'mem x':>6}")
-    order = {name: i for i, name in enumerate(MODELS)}
+    order = {name: i for i, name in enumerate(TABLE_ORDER)}
 
     def key(n):
         parts = n.split("/")
@@ -372,6 +443,13 @@ def print_table(slime, rows):
     names = sorted(set(slime) | set(torch_rows), key=key)
     for name in names:
         s, t = slime.get(name), torch_rows.get(name)
+        if row_model(name) in SLIME_ONLY and t is None:  # no FSDP2 counterpart: slime's numbers alone
+            if s is None or "error" in s:
+                print(f"{name:<24} slime: {s['error'] if s else 'missing'}")
+            else:
+                print(f"{name:<24} {s['us'] / 1e3:9.1f} {'-':>9} {'-':>7} {s['tokens_per_s']:12.0f} {'-':>12} "
+                      f"{'-':>8} {s['peak_gib']:10.2f} {'-':>10} {'-':>6}  (slime only)")
+            continue
         problems = []
         if s is None or "error" in s:
             problems.append(f"slime: {s['error'] if s else 'missing'}")
@@ -386,43 +464,69 @@ def print_table(slime, rows):
               f"{s['tokens_per_s']:12.0f} {t['tokens_per_s']:12.0f} {s['tokens_per_s'] / t['tokens_per_s']:8.2f} "
               f"{s['peak_gib']:10.2f} {t['peak_gib']:10.2f} {t['peak_gib'] / s['peak_gib']:6.2f}"
               + (f"  ({'; '.join(problems)})" if problems else ""))
+
+    def ok(row):
+        return row is not None and "tokens_per_s" in row and "error" not in row
+
     for model in MODELS:
         for side, table in (("slime", slime), ("torch", torch_rows)):
             one, two = table.get(bench_name(model, 1)), table.get(bench_name(model, 2))
-            if one and two and "tokens_per_s" in one and "tokens_per_s" in two and "error" not in one \
-                    and "error" not in two:
+            if ok(one) and ok(two):
                 print(f"{model} {side} scaling 1 -> 2 GPUs: tokens/s x "
                       f"{two['tokens_per_s'] / one['tokens_per_s']:.2f} (2.00 = perfect weak scaling), "
                       f"peak memory per GPU x {two['peak_gib'] / one['peak_gib']:.2f}")
+    for model, spec in SLIME_ONLY.items():
+        for gpus in spec["gpus"]:
+            mine, base = slime.get(bench_name(model, gpus)), slime.get(bench_name(spec["compare"], gpus))
+            if ok(mine) and ok(base):
+                print(f"{model} vs {spec['compare']} on {gpus} GPUs (slime): tokens/s x "
+                      f"{mine['tokens_per_s'] / base['tokens_per_s']:.2f}, peak memory per GPU x "
+                      f"{mine['peak_gib'] / base['peak_gib']:.2f} (> 1: {model} higher)")
     impls = {r["bench"]: r["experts_implementation"] + (f" (after: {r['fallback']})" if r.get("fallback") else "")
              for r in rows if "experts_implementation" in r}
     for name, impl in sorted(impls.items()):
         print(f"torch experts implementation, {name}: {impl}")
 
 
+def load_slime(paths):
+    """The rows of bench_fsdp's JSON files merged (a later file's row replaces an earlier one of the same name),
+    and the paths that do not exist."""
+    slime, missing = {}, []
+    for path in paths or []:
+        if os.path.exists(path):
+            slime.update(bench_util.gbench_results(path))
+        else:
+            missing.append(path)
+    return slime, missing
+
+
 def main():
     p = bench_util.parser(__doc__, out="torch_fsdp.json", warmup=None, reps=1, batch=1,
                           out_help="JSON written by rank 0",
-                          warmup_help="untimed steps (default: dense0.5b 3, moe 2)")
+                          warmup_help="untimed steps (default: dense0.5b and dense1.7b 3, moe 2)")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps; the median is reported (default: dense0.5b 10, moe 5)")
-    p.add_argument("--model", choices=["all", *MODELS], default="all", help="the model(s) to measure")
-    p.add_argument("--append", action="store_true", help="keep --out's rows for other GPU counts")
+                   help="timed steps; the median is reported (default: dense0.5b and dense1.7b 10, moe 5)")
+    p.add_argument("--models", "--model", dest="models", default=DEFAULT_MODELS,
+                   help=f"comma-separated models to measure ({', '.join(MODELS)}) or all (default: {DEFAULT_MODELS})")
+    p.add_argument("--append", action="store_true", help="keep --out's rows for other GPU counts and models")
     p.add_argument("--table", action="store_true", help="only print the table of --slime beside --out")
-    p.add_argument("--slime", help="bench_fsdp JSON (Google Benchmark) for the table")
+    p.add_argument("--slime", nargs="+", help="bench_fsdp JSON file(s) (Google Benchmark) for the table, merged")
     args = p.parse_args()
     if (args.warmup is not None and args.warmup < 1) or (args.steps is not None and args.steps < 1):
         sys.exit("--warmup and --steps must be >= 1")
 
     if args.table:
         if not args.slime:
-            sys.exit("--table needs --slime BENCH_FSDP_JSON")
+            sys.exit("--table needs --slime BENCH_FSDP_JSON [...]")
         rows, _ = load_rows(args.out)
-        slime = bench_util.gbench_results(args.slime) if os.path.exists(args.slime) else {}
+        slime, missing = load_slime(args.slime)
         print_table(slime, rows)
+        for path in missing:
+            print(f"missing: {path}")
         # A wrong result fails; a configuration skipped (e.g. one GPU only) is shown, not failed.
         wrong = [r for r in [*rows, *slime.values()] if "correctness" in r.get("error", "")]
-        return 1 if wrong or not rows or not slime else 0
+        return 1 if wrong or not rows or not slime or missing else 0
+    parse_models(args.models)  # exits on a bad name before any process group exists
 
     rows, old_ctx = load_rows(args.out) if args.append else ([], {})
     contexts = dict(old_ctx.get("runs", {})) if args.append else {}
@@ -433,8 +537,7 @@ def main():
         nonlocal rows
         print(json.dumps(row), flush=True)
         rows = [r for r in rows if r.get("bench") != row["bench"]] + [row]
-        rows.sort(key=lambda r: (order.get(r.get("bench", "").split("/")[1] if "/" in r.get("bench", "") else "",
-                                           len(order)), r.get("gpus", 0)))
+        rows.sort(key=lambda r: (order.get(row_model(r.get("bench", "")), len(order)), r.get("gpus", 0)))
         if ctx is not None:
             contexts[row["bench"]] = ctx
         last = ctx or next(iter(contexts.values()), {})
@@ -443,8 +546,9 @@ def main():
     rank, failed = measure(args, record)
     if rank != 0:
         return 1 if failed else 0
-    if args.slime and os.path.exists(args.slime):
-        print_table(bench_util.gbench_results(args.slime), rows)
+    slime, _ = load_slime(args.slime)
+    if slime:
+        print_table(slime, rows)
     return 1 if failed else 0
 
 
