@@ -51,6 +51,7 @@
 #include "slime/optim/lr_schedule.hpp"
 #include "slime/parallel/expert_parallel.hpp"
 #include "slime/parallel/sharded.hpp"
+#include "slime/parallel/sharded_checkpoint.hpp"
 #include "slime/rl/advantages.hpp"
 #include "slime/rl/importance_sampler.hpp"
 #include "slime/rl/policy_loss.hpp"
@@ -540,55 +541,21 @@ class Trainer {
     if (o_.offload) engine_->offload();
   }
 
-  // Parameters as reshardable pieces; AdamW moments per rank (same rank count
-  // to resume them).
+  // The policy's training state (parallel::save_sharded_state: masters and
+  // AdamW moments as ranges of the full tensors, expert stacks in whole-stack
+  // coordinates), so a run with other --ranks or --ep resumes it.
   void save(const fs::path& dir, int64_t step) {
-    std::vector<io::TensorPiece> pieces;
-    policy_->for_each_local_shard([&](const parallel::LocalShard& s) {
-      if (!s.expert || !ep_) {
-        pieces.push_back({s.name, s.shape, s.begin, s.end, s.master.to(Device::cpu())});
-        return;
-      }
-      // This ep rank's slice, placed in the whole stack [E, ...] (so a run
-      // with another --ep reads it back).
-      const int64_t per = s.shape.numel() / s.shape[0], at = s.first_expert * per;
-      std::vector<int64_t> dims(s.shape.begin(), s.shape.end());
-      dims[0] = config_.num_experts;
-      pieces.push_back({s.name, Shape(dims), at + s.begin, at + s.end, s.master.to(Device::cpu())});
-    });
-    const int W = comm_.size(), r = comm_.rank();
-    for (auto& [name, t] : policy_->optimizer().state_tensors()) {
-      const int64_t k = t.numel();
-      pieces.push_back({"optim." + name, Shape{k * W}, k * r, k * (r + 1), t.flatten().to(Device::cpu())});
-    }
-    nlohmann::json meta = {
-        {"step", step}, {"adamw_steps", policy_->optimizer().step_count()}, {"ranks", W}, {"ep", o_.ep}};
     io::TrainStateSaveOptions so;
     so.keep_last = 2;
-    io::save_train_state(comm_, dir, step, pieces, meta, so);
+    // "ranks" and "ep" for the record: a resume may use others.
+    parallel::save_sharded_state(*policy_, comm_, dir, step, {{"step", step}, {"ranks", comm_.size()}, {"ep", o_.ep}},
+                                 so);
   }
 
+  // Any --ranks and --ep: the state reshards on load.
   int64_t resume(const fs::path& dir) {
-    const io::TrainStateReader reader = io::TrainStateReader::open_latest(dir);
-    for (const std::string& name : policy_->parameter_names()) {
-      const Shape shape = policy_->parameter_shape(name);  // an expert stack: this ep rank's slice
-      const int64_t first = policy_->parameter_first_expert(name), at = first * (shape.numel() / shape[0]);
-      Tensor mine = reader.read_range(name, at, at + shape.numel()).reshape(shape);
-      policy_->load_parameter(name, mine.to(device_));
-    }
-    const int W = comm_.size(), r = comm_.rank();
-    const int saved_ranks = reader.metadata().value("ranks", 0), saved_ep = reader.metadata().value("ep", 1);
-    SLIME_CHECK(saved_ranks == W && saved_ep == o_.ep, "resume: the optimizer moments were saved by ", saved_ranks,
-                " ranks with --ep ", saved_ep, "; resume with --ranks ", saved_ranks, " --ep ", saved_ep,
-                " (the parameters reshard, this example's moments do not)");
-    auto states = policy_->optimizer().state_tensors();  // created with the policy, zero
-    for (auto& [name, t] : states) {
-      const int64_t k = t.numel();
-      Tensor dst = t.flatten();
-      dst.copy_from(reader.read_range("optim." + name, k * r, k * (r + 1)).to(t.device()));
-    }
-    policy_->optimizer().set_step_count(reader.metadata().value("adamw_steps", int64_t(0)));
-    return reader.step();
+    const nlohmann::json meta = parallel::load_sharded_state(*policy_, dir);
+    return meta.at("step").template get<int64_t>();
   }
 
   // A Hugging Face directory of the current weights: rank 0 writes, every

@@ -215,6 +215,13 @@ class Sharded {
   int expert_replicate_world() const { return expert_replicate_comm_ ? expert_replicate_comm_->size() : 1; }
   // Whether unit u shards over the expert group (ShardGroup::expert).
   bool is_expert_unit(std::size_t u) const { return units_.at(u).group == ShardGroup::expert; }
+  // This rank's index among the ranks holding the same shard of unit u (its
+  // replicate group: NoShard's replicas, HybridShard's dp_replicate, the dp
+  // ranks of an expert slice under NoShard); 0 when there are none.
+  int unit_replicate_rank(std::size_t u) const {
+    const Unit& x = units_.at(u);
+    return x.replicate ? x.replicate->rank() : 0;
+  }
   std::size_t num_units() const { return units_.size(); }
   const std::string& unit_name(std::size_t u) const { return units_.at(u).name; }
   const FlatShardLayout& unit_layout(std::size_t u) const { return units_.at(u).layout; }
