@@ -5,13 +5,14 @@
 // Expected device bytes (memory_stats(cuda:0).current_bytes, exact; S = shard
 // elements over all units; one rank: every unit's gathered buffer is its
 // compute shard and the gradients accumulate straight into the grad shard):
-//   offload frees exactly 18 S: master 4 S + compute (bf16) 2 S + grad 4 S +
-//   AdamW moments 8 S, at a step boundary and between micro-batches alike
-//   (no unreduced gradient buffers on one rank); onload allocates exactly
-//   18 S again. What stays above the bytes held before the model was built is
-//   the modules' op workspaces (attention, RMSNorm and embedding backward
-//   scratch, sized by a micro-batch's tokens: well under 8 MiB here, printed),
-//   which Sharded does not own.
+//   offload frees exactly 18 S + W: master 4 S + compute (bf16) 2 S + grad
+//   4 S + AdamW moments 8 S, at a step boundary and between micro-batches
+//   alike (no unreduced gradient buffers on one rank), plus W, the modules'
+//   op workspaces (attention, RMSNorm and embedding backward scratch, sized by
+//   a micro-batch's tokens: nn::workspace_bytes before the offload), which are
+//   released, not copied; onload allocates exactly 18 S again (the next
+//   backward makes the workspaces). What stays above the bytes held before
+//   the model was built: under 8 MiB (printed).
 //   The first offload allocates exactly 18 S pinned bytes; later cycles
 //   allocate no pinned memory; 100 cycles leave device, pinned and the
 //   pool's reserved bytes where the first left them.
@@ -111,6 +112,8 @@ struct CycleLog {
   int cycles = 0, restored_bitwise = 0;
   std::vector<int64_t> freed, reallocated, transfer;  // per cycle
   int64_t pinned_first = 0, pinned_allocs_later = 0, residual = 0;
+  std::vector<int64_t> workspaces;  // per cycle: the op workspaces offload released
+  int64_t workspaces_left = 0;      // workspace bytes still held after offloads (expected 0)
 };
 
 // K steps of 2 micro-batches; with `log`, an offload / onload cycle after
@@ -128,8 +131,11 @@ std::vector<std::vector<float>> train(comm::Comm& comm, CycleLog* log) {
     if (!log) return;
     const auto before = snapshot(sh);
     const int64_t d0 = memory_stats(dev).current_bytes, p0 = pinned_memory_stats().current_bytes;
+    const int64_t ws = int64_t(nn::workspace_bytes(sh.module()));  // released, not copied
     sh.offload();
     const int64_t d1 = memory_stats(dev).current_bytes;
+    log->workspaces.push_back(ws);
+    log->workspaces_left += int64_t(nn::workspace_bytes(sh.module()));
     if (log->cycles == 0) {
       log->pinned_first = pinned_memory_stats().current_bytes - p0;
       pinned_allocs = pinned_memory_stats().allocations;
@@ -137,7 +143,7 @@ std::vector<std::vector<float>> train(comm::Comm& comm, CycleLog* log) {
     log->residual = std::max(log->residual, d1 - base);
     sh.onload();
     const int64_t d2 = memory_stats(dev).current_bytes;
-    log->freed.push_back(d0 - d1);
+    log->freed.push_back(d0 - d1 - ws);
     log->reallocated.push_back(d2 - d1);
     log->transfer.push_back(int64_t(sh.offload_transfer_bytes()));
     log->restored_bitwise += same_bits(snapshot(sh), before);
@@ -190,8 +196,8 @@ TEST_CASE("Sharded runtime offload on a GPU frees 18 S device bytes and restores
   }
   INFO("S = " << S << " shard elements");
   std::printf(
-      "sharded runtime offload (bf16, 1 GPU): S = %lld, 18 S = %lld bytes moved per offload; module workspaces left "
-      "on the device while offloaded: %lld bytes\n",
+      "sharded runtime offload (bf16, 1 GPU): S = %lld, 18 S = %lld bytes moved per offload; left on the device "
+      "while offloaded: %lld bytes\n",
       (long long)S, (long long)(18 * S), (long long)log.residual);
   REQUIRE(log.cycles == kSteps * (kMicroBatches + 1));
   CHECK(log.restored_bitwise == log.cycles);
@@ -203,6 +209,8 @@ TEST_CASE("Sharded runtime offload on a GPU frees 18 S device bytes and restores
   }
   CHECK(log.pinned_first == 18 * S);
   CHECK(log.pinned_allocs_later == 0);
+  CHECK(log.workspaces_left == 0);  // every offload released the op workspaces
+  CHECK(*std::max_element(log.workspaces.begin(), log.workspaces.end()) > 0);  // and there were some
   CHECK(log.residual >= 0);
   CHECK(log.residual < (int64_t(8) << 20));
   REQUIRE(cycled.size() == plain.size());
@@ -225,6 +233,10 @@ TEST_CASE("Sharded runtime offload: 100 cycles grow neither device nor pinned me
   sh.optimizer_step(kLr);
   Stream::default_for(dev).synchronize();
   const int64_t d0 = memory_stats(dev).current_bytes;
+  // The op workspaces of the step: freed by the first offload, and not made
+  // again (no backward inside the cycles).
+  const int64_t ws = int64_t(nn::workspace_bytes(sh.module()));
+  CHECK(ws > 0);
   int64_t offloaded_bytes = -1, pinned_after_first = -1, allocs_after_first = -1, reserved_after_first = -1;
   int64_t worst_device = 0, worst_offloaded = 0, worst_pinned = 0;
   for (int c = 0; c < 100; ++c) {
@@ -238,13 +250,14 @@ TEST_CASE("Sharded runtime offload: 100 cycles grow neither device nor pinned me
       allocs_after_first = pinned_memory_stats().allocations;
       reserved_after_first = memory_stats(dev).reserved_bytes;
     }
-    worst_device = std::max(worst_device, std::abs(memory_stats(dev).current_bytes - d0));
+    worst_device = std::max(worst_device, std::abs(memory_stats(dev).current_bytes - (d0 - ws)));
     worst_offloaded = std::max(worst_offloaded, std::abs(off - offloaded_bytes));
     worst_pinned = std::max(worst_pinned, std::abs(pinned_memory_stats().current_bytes - pinned_after_first));
   }
   CHECK(worst_device == 0);
   CHECK(worst_offloaded == 0);
-  CHECK(d0 - offloaded_bytes == 18 * shard_elems(sh));
+  CHECK(d0 - offloaded_bytes == 18 * shard_elems(sh) + ws);
+  CHECK(nn::workspace_bytes(sh.module()) == 0);
   CHECK(worst_pinned == 0);
   CHECK(pinned_memory_stats().allocations == allocs_after_first);
   CHECK(memory_stats(dev).reserved_bytes <= reserved_after_first);
@@ -279,8 +292,9 @@ TEST_CASE("Sharded and a rollout engine take turns on one GPU for 100 cycles wit
     train_peak = std::max(train_peak, memory_stats(dev).peak_bytes - start);
     rollout::sync_colocated(rollout::ShardedWeights<Policy>{&sh}, engine, cycle + 1, {.verify = cycle % 25 == 0});
     const int64_t d0 = memory_stats(dev).current_bytes;
+    const int64_t ws = int64_t(nn::workspace_bytes(sh.module()));  // made again by this cycle's backward
     sh.offload();
-    bad_drops += d0 - memory_stats(dev).current_bytes != 18 * S;
+    bad_drops += d0 - memory_stats(dev).current_bytes != 18 * S + ws;
     // Rollout turn (the policy offloaded).
     engine.onload();
     const int64_t r0 = memory_stats(dev).current_bytes;

@@ -124,6 +124,14 @@ struct Attention {
     return dx;
   }
 
+  // The op workspaces this module keeps between calls (nn::release_workspaces).
+  template <class F>
+  void for_each_workspace(F&& f) {
+    f(attention_ws_);
+    q_norm.for_each_workspace(f);
+    k_norm.for_each_workspace(f);
+  }
+
  private:
   Tensor attention_ws_;  // f32 workspace of the GPU attention backward
 };

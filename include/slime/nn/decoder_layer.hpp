@@ -54,6 +54,14 @@ struct DecoderLayer {
 
   bool is_sparse() const { return moe.has_value(); }
 
+  // The op workspaces this layer keeps between calls (nn::release_workspaces).
+  template <class F>
+  void for_each_workspace(F&& f) {
+    input_layernorm.for_each_workspace(f);
+    self_attn.for_each_workspace(f);
+    post_attention_layernorm.for_each_workspace(f);
+  }
+
   // HF order (Qwen3DecoderLayer / Qwen3MoeDecoderLayer's state_dict).
   template <class F>
   void for_each_parameter(F&& f) {

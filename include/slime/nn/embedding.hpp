@@ -58,6 +58,12 @@ struct Embedding {
     ops::embedding_backward(ctx.ids, dy, weight.ensure_grad(stream), ws, stream);
   }
 
+  // The op workspaces this module keeps between calls (nn::release_workspaces).
+  template <class F>
+  void for_each_workspace(F&& f) {
+    f(workspace_);
+  }
+
  private:
   Tensor workspace_;
 };

@@ -150,4 +150,22 @@ void init_parameters(M& module, uint64_t seed, float std = 0.02f, const Stream& 
   });
 }
 
+// Op workspaces: scratch a module keeps between calls (e.g. the attention
+// backward's f32 buffer, sized by the largest micro-batch seen) and visits
+// with for_each_workspace(f(Tensor&)). Releasing them frees the memory (a
+// colocated trainer hands the GPU to the rollout engine); the next call that
+// needs one allocates it again.
+template <class M>
+std::size_t workspace_bytes(M& module) {
+  std::size_t n = 0;
+  module.for_each_workspace([&](Tensor& t) {
+    if (t.defined()) n += t.nbytes();
+  });
+  return n;
+}
+template <class M>
+void release_workspaces(M& module) {
+  module.for_each_workspace([](Tensor& t) { t = Tensor{}; });
+}
+
 }  // namespace slime::nn

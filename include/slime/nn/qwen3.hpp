@@ -146,6 +146,15 @@ class Qwen3Model {
     if (!config_.tie_word_embeddings) f(lm_head_);
   }
 
+  // The op workspaces the modules keep between calls (backward scratch,
+  // sized by the largest micro-batch seen; nn::release_workspaces).
+  template <class F>
+  void for_each_workspace(F&& f) {
+    embed_tokens_.for_each_workspace(f);
+    for (auto& layer : layers_) layer.for_each_workspace(f);
+    norm_.for_each_workspace(f);
+  }
+
   // Projections and embeddings ~ N(0, std), norm weights 1 (counter-based:
   // the same values on every device for the same seed).
   void init_random(uint64_t seed, float std = 0.02f, const Stream& stream = {}) {

@@ -63,6 +63,12 @@ struct RMSNorm {
     return dx;
   }
 
+  // The op workspaces this module keeps between calls (nn::release_workspaces).
+  template <class F>
+  void for_each_workspace(F&& f) {
+    f(workspace_);
+  }
+
  private:
   Tensor workspace_;
 };

@@ -96,10 +96,11 @@
 // Gathered buffers of sharded units (ShardGradOp's kept-gathered parameters,
 // FullShard's last unit after a forward) are dropped, not copied: the next
 // use all-gathers them again from the compute shards (collective, as always).
-// What stays: the module's op workspaces (attention, RMSNorm and embedding
-// backward scratch: sized by the step's tokens, not the parameters), the
-// streams and events, and whatever the caller holds (a forward Context's
-// activations, tensors returned by forward / token_logprobs).
+// Freed, not copied: the module's op workspaces (attention, RMSNorm and
+// embedding backward scratch, sized by the step's tokens, not the
+// parameters; nn::release_workspaces), which the next backward allocates
+// again. What stays: the streams and events, and whatever the caller holds (a
+// forward Context's activations, tensors returned by forward / token_logprobs).
 // The pinned buffers are allocated by the first offload and reused: later
 // cycles allocate no host memory (onload keeps them; offload_host_bytes()).
 // offload synchronises the host with the device (the copies must be done
@@ -283,6 +284,8 @@ class Sharded {
       stateless.set_step_count(adamw_.step_count());
       adamw_ = std::move(stateless);
     }
+    // The modules' op workspaces go too (allocated again by the next backward).
+    if constexpr (requires(Module & m) { m.for_each_workspace([](Tensor&) {}); }) nn::release_workspaces(module());
     comm_stream_.synchronize();  // the frees done: the pool can hand the memory to any stream
     transfer_bytes_ = bytes;
     offloaded_ = true;
