@@ -13,11 +13,12 @@
 //
 // Frozen: no gradients are ever allocated; no backward. Copies are bitwise.
 //
-// NOTE (FSDP): this holds a whole, unsharded copy of the model on one device.
-// Sharding it like the policy (Sharded<Model, Strategy> over the same mesh,
-// gathering each layer's parameters from the pinned shards as the forward
-// reaches it) comes with the FSDP issue; until then a reference model of a
-// policy too large for one device does not fit.
+// NOTE (FSDP): this holds a whole, unsharded copy of the model on one device
+// (under expert parallelism: the policy's slice of the experts). Sharding it
+// like the policy (Sharded<Model, Strategy> over the same mesh, gathering
+// each layer's parameters from the pinned shards as the forward reaches it)
+// is not done yet: a reference model of a policy too large for one device
+// does not fit.
 #pragma once
 
 #include <cstdint>
