@@ -30,7 +30,7 @@ inline void serve_rollouts(const Options& o, const RemoteRollout& remote, slime:
     const auto [what, value] = broadcast_command(*remote.sync, EngineCommand::stop, 0, device);
     if (what == EngineCommand::stop) return;
     if (what == EngineCommand::hello) {
-      engine = std::make_unique<rollout::Engine>(model, Trainer<parallel::FullShard>::engine_config(o, value));
+      engine = std::make_unique<rollout::Engine>(model, engine_config(o, value));
       continue;
     }
     SLIME_CHECK(engine != nullptr, "engine rank ", remote.world->rank(), ": command ", int64_t(what), " before hello");

@@ -92,6 +92,12 @@ inline nn::Qwen3Config model_config(const Options& o) {
   return o.model.empty() ? tiny_moe_config(32) : nn::Qwen3Config::from_file(fs::path(o.model) / "config.json");
 }
 
+// The rollout engine's configuration (colocated on a trainer rank, or on an
+// engine rank under --rollout disaggregated).
+inline rollout::EngineConfig engine_config(const Options& o, int64_t context) {
+  return rollout::EngineConfig{.max_batch = 256, .max_context = context, .kv_capacity = 0, .seed = o.seed};
+}
+
 // What rank 0 keeps of a step.
 struct StepReport {
   double reward = 0;
@@ -171,11 +177,6 @@ class Trainer {
                 : o.lr_schedule == "warmup" ? optim::LrSchedule::linear_warmup(o.lr, std::max(o.warmup_steps, 1))
                                             : optim::LrSchedule::constant(o.lr);
     loss_config_ = loss_config(o);
-  }
-
-  // The engine's configuration (colocated here, or on an engine rank).
-  static rollout::EngineConfig engine_config(const Options& o, int64_t context) {
-    return rollout::EngineConfig{.max_batch = 256, .max_context = context, .kv_capacity = 0, .seed = o.seed};
   }
 
   // Runs the steps; rank 0 logs. Returns the per-step mean rewards (every rank).

@@ -16,6 +16,8 @@
 #include "slime/core/tensor.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
+#include "slime/optim/adamw.hpp"
+#include "slime/optim/grad_clip.hpp"
 
 namespace slime_test::fsdp {
 
@@ -102,6 +104,27 @@ inline slime::nn::Qwen3Model make_model(const slime::nn::Qwen3Config& c, uint64_
   slime::nn::Qwen3Model m(c, {});
   m.init_random(seed, 0.2f);
   return m;
+}
+
+// The unwrapped reference's optimizer step: AdamW over every parameter of
+// `model` with its accumulated gradients, clipped to max_grad_norm when > 0
+// (the global norm, as Sharded::optimizer_step does).
+inline void reference_step(slime::nn::Qwen3Model& model, slime::optim::AdamW& opt, double lr, double max_grad_norm) {
+  std::vector<slime::Tensor> params, grads;
+  model.for_each_parameter([&](slime::nn::Parameter& p) {
+    params.push_back(p.value);
+    grads.push_back(p.grad);
+  });
+  float scale = 1.f;
+  if (max_grad_norm > 0) scale = slime::optim::clip_coefficient(slime::optim::global_grad_norm(grads), max_grad_norm);
+  opt.step(params, grads, lr, scale);
+}
+
+// Every parameter's values by name.
+inline Params parameters_of(slime::nn::Qwen3Model& model) {
+  Params out;
+  model.for_each_parameter([&](slime::nn::Parameter& p) { out[p.name] = p.value.to_vector<float>(); });
+  return out;
 }
 
 }  // namespace slime_test::fsdp

@@ -25,7 +25,6 @@
 #include "slime/core/memory.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/optim/adamw.hpp"
-#include "slime/optim/grad_clip.hpp"
 #include "slime/parallel/sharded.hpp"
 
 using namespace slime;
@@ -78,18 +77,9 @@ Params reference_run(const RunConfig& rc, std::vector<double>* losses = nullptr)
         loss += model.loss_and_backward(mb.batch, mb.targets, 1.f, norm).loss;
       }
     if (losses) losses->push_back(loss);
-    std::vector<Tensor> params, grads;
-    model.for_each_parameter([&](nn::Parameter& p) {
-      params.push_back(p.value);
-      grads.push_back(p.grad);
-    });
-    float scale = 1.f;
-    if (rc.max_grad_norm > 0) scale = optim::clip_coefficient(optim::global_grad_norm(grads), rc.max_grad_norm);
-    opt.step(params, grads, kLr, scale);
+    slime_test::fsdp::reference_step(model, opt, kLr, rc.max_grad_norm);
   }
-  Params out;
-  model.for_each_parameter([&](nn::Parameter& p) { out[p.name] = p.value.to_vector<float>(); });
-  return out;
+  return slime_test::fsdp::parameters_of(model);
 }
 
 // One rank's training loop on a wrapped model; rank 0 returns the gathered

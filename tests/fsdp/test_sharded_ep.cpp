@@ -20,7 +20,6 @@
 #include "slime/comm/mesh.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/optim/adamw.hpp"
-#include "slime/optim/grad_clip.hpp"
 #include "slime/parallel/expert_parallel.hpp"
 #include "slime/parallel/sharded.hpp"
 #include "thread_checks.hpp"
@@ -143,18 +142,9 @@ Params reference_run(const RunConfig& rc) {
       const MicroBatch mb = concatenated(first, ep, step);
       model.loss_and_backward(mb.batch, mb.targets, 1.f, norm);
     }
-    std::vector<Tensor> params, grads;
-    model.for_each_parameter([&](nn::Parameter& p) {
-      params.push_back(p.value);
-      grads.push_back(p.grad);
-    });
-    float scale = 1.f;
-    if (rc.max_grad_norm > 0) scale = optim::clip_coefficient(optim::global_grad_norm(grads), rc.max_grad_norm);
-    opt.step(params, grads, kLr, scale);
+    slime_test::fsdp::reference_step(model, opt, kLr, rc.max_grad_norm);
   }
-  Params out;
-  model.for_each_parameter([&](nn::Parameter& p) { out[p.name] = p.value.to_vector<float>(); });
-  return out;
+  return slime_test::fsdp::parameters_of(model);
 }
 
 // Every rank trains on its own micro-batches (data rank = world rank); the
