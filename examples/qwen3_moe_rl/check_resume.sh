@@ -157,3 +157,46 @@ for colocated, disaggregated in (("full", "dis1"), ("full", "dis2"), ("kl_ep2", 
             assert a[s][k] == b[s][k], f"{disaggregated} step {s} {k}: colocated {a[s][k]!r}, disaggregated {b[s][k]!r}"
 print("disaggregated rollout (1 and 2 engine ranks, and with --ep 2): equal to colocated bit for bit")
 PY
+
+# Colocation: --offload moves the policy's training state, the reference
+# model and the engine between the device and pinned host memory around the
+# phases; the numbers do not change (bit for bit), and every step logs its
+# device high-water mark.
+"$bin" --short --device cpu --ranks 2 --offload --checkpoint-every 3 --out "$dir/offload"
+"$bin" --short --device cpu --ranks 2 --kl-coef 0.05 --ep 2 --offload --out "$dir/offload_kl_ep2" --no-export
+python3 - "$dir" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+def rows(name):
+    return {r["step"]: r for r in map(json.loads, open(os.path.join(d, name, "metrics.jsonl")))}
+for plain, offloaded in (("full", "offload"), ("kl_ep2", "offload_kl_ep2")):
+    a, b = rows(plain), rows(offloaded)
+    assert sorted(a) == sorted(b) == list(range(1, 7)), (sorted(a), sorted(b))
+    for s in a:
+        for k in ("loss", "reward", "pg_loss", "kl", "grad_norm"):
+            assert a[s][k] == b[s][k], f"{offloaded} step {s} {k}: {a[s][k]!r}, with --offload {b[s][k]!r}"
+        assert b[s]["peak_memory_bytes"] > 0, b[s]
+print("--offload: equal to the run without it bit for bit (with and without --ep 2 and a KL term)")
+PY
+
+# Every policy loss and advantage estimator runs from the command line, and
+# the older spelling --advantage gspo is --loss gspo with GRPO advantages.
+for args in "--loss gspo" "--loss cispo" "--loss ppo --eps-clip-c 3 --loss-agg seq_mean_token_mean" \
+  "--advantage dr-grpo --loss-agg seq_mean_token_sum" "--advantage reinforce++" "--advantage reinforce++-baseline" \
+  "--advantage gspo"; do
+  name=$(echo "$args" | tr -c 'a-z0-9+\n' '_')
+  # shellcheck disable=SC2086
+  "$bin" --short --device cpu --ranks 2 $args --out "$dir/objective_$name" --no-export --no-tensorboard > /dev/null
+done
+python3 - "$dir" <<'PY'
+import json, math, os, sys
+d = sys.argv[1]
+runs = sorted(n for n in os.listdir(d) if n.startswith("objective_"))
+rows = {n: [json.loads(l) for l in open(os.path.join(d, n, "metrics.jsonl"))] for n in runs}
+for n, rs in rows.items():
+    assert [r["step"] for r in rs] == list(range(1, 7)), n
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rs), n
+alias, gspo = rows["objective___advantage_gspo"], rows["objective___loss_gspo"]
+assert [r["loss"] for r in alias] == [r["loss"] for r in gspo], "--advantage gspo differs from --loss gspo"
+print(f"objectives: {len(runs)} loss / advantage choices ran 6 steps each; --advantage gspo equals --loss gspo")
+PY

@@ -4,8 +4,14 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <string_view>
+#include <utility>
+
+#include "slime/core/error.hpp"
 
 namespace rl_example {
 
@@ -24,7 +30,10 @@ struct Options {
   int samples_per_prompt = 8;    // the GRPO group size
   float temperature = 1.f;
   // Advantages and loss.
-  std::string advantage = "grpo";  // grpo | gspo | reinforce++
+  std::string advantage = "grpo";  // grpo | dr-grpo | reinforce++ | reinforce++-baseline (gspo: grpo + --loss gspo)
+  double gamma = 1.0;              // reinforce++: discount of the token returns
+  std::string loss = "ppo";        // ppo | gspo | cispo
+  std::string loss_aggregation = "token_mean";  // token_mean | seq_mean_token_mean | seq_mean_token_sum
   double eps_clip = 0.2, eps_clip_high = 0.28, eps_clip_c = 0;
   std::string is_correction = "tis";  // none | tis | mis-token | mis-sequence | mis-geometric
   std::string mis_mode = "truncate";  // truncate | clip | mask
@@ -44,7 +53,8 @@ struct Options {
   int ep = 1;                              // expert-parallel degree (must divide the ranks and the experts)
   std::string rollout_mode = "colocated";  // colocated | disaggregated
   int engine_ranks = 1;                    // disaggregated: the last engine_ranks ranks run engines
-  bool offload = false;                    // colocated: engine weights and KV cache leave the GPU while training
+  bool offload = false;  // colocated: the policy's training state leaves the GPU while the engine generates, the
+                         // engine's weights and the reference model while the policy trains
   int ranks = 2;
   std::string device = "auto";  // auto | cpu | cuda
   // Output.
@@ -84,9 +94,28 @@ struct Options {
         ->group(g);
     app.add_option("--temperature", temperature, "sampling temperature")->capture_default_str()->group(g);
     g = "Objective";
-    app.add_option("--advantage", advantage, "grpo | gspo | reinforce++")->capture_default_str()->group(g);
-    app.add_option("--eps-clip", eps_clip, "PPO/GSPO lower clip (1 - eps)")->capture_default_str()->group(g);
-    app.add_option("--eps-clip-high", eps_clip_high, "upper clip (1 + eps_high)")->capture_default_str()->group(g);
+    app.add_option("--advantage", advantage,
+                   "advantage estimator: grpo (group mean and std) | dr-grpo (group mean only) | reinforce++ "
+                   "(discounted token returns, whitened over the global batch) | reinforce++-baseline (group mean, "
+                   "whitened over the global batch); gspo: grpo with --loss gspo (the older spelling)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--gamma", gamma, "reinforce++: discount of the token returns")->capture_default_str()->group(g);
+    app.add_option("--loss", loss,
+                   "policy loss: ppo (token ratios, clipped; dual clip with --eps-clip-c) | gspo (sequence ratios) | "
+                   "cispo (clipped, detached importance weights times logprob)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--loss-agg", loss_aggregation,
+                   "loss aggregation: token_mean | seq_mean_token_mean | seq_mean_token_sum (global normalisers)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--eps-clip", eps_clip, "lower clip (1 - eps); --loss gspo defaults to 3e-4")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--eps-clip-high", eps_clip_high, "upper clip (1 + eps_high); --loss gspo defaults to 4e-4")
+        ->capture_default_str()
+        ->group(g);
     app.add_option("--eps-clip-c", eps_clip_c, "dual clip for negative advantages (> 1; 0 off)")
         ->capture_default_str()
         ->group(g);
@@ -130,7 +159,11 @@ struct Options {
     app.add_option("--engine-ranks", engine_ranks, "disaggregated: how many of the ranks run engines")
         ->capture_default_str()
         ->group(g);
-    app.add_flag("--offload", offload, "colocated: offload engine weights and KV cache during training")->group(g);
+    app.add_flag("--offload", offload,
+                 "colocated: the policy's training state (Sharded::offload) goes to pinned host memory while the "
+                 "engine generates and takes the weights, the engine's weights and KV cache and the reference model "
+                 "while the policy trains; metrics.jsonl's peak_memory_bytes is the step's device high-water mark")
+        ->group(g);
     app.add_option("--ranks", ranks, "ranks as threads of this process (ignored under torchrun/mpirun/srun)")
         ->capture_default_str()
         ->group(g);
@@ -147,6 +180,39 @@ struct Options {
     app.add_flag("!--no-tensorboard", tensorboard, "no TensorBoard event file")->group(g);
     app.add_flag("--short", short_run, "CI: 6 steps, 4 prompts x 4 samples")->group(g);
   }
+
+  // After parsing: the older spelling --advantage gspo (GRPO advantages with
+  // the GSPO loss), GSPO's default clips (its sequence ratios need much
+  // tighter ones), --short's sizes. Options given on the command line win.
+  void resolve(const CLI::App& app) {
+    const auto given = [&](const char* name) { return app.count(name) > 0; };
+    if (advantage == "gspo") {
+      advantage = "grpo";
+      if (!given("--loss")) loss = "gspo";
+    }
+    if (loss == "gspo") {
+      if (!given("--eps-clip")) eps_clip = 3e-4;
+      if (!given("--eps-clip-high")) eps_clip_high = 4e-4;
+    }
+    if (short_run) {
+      steps = std::min(steps, 6);
+      prompts_per_rollout = 4;
+      samples_per_prompt = 4;
+    }
+  }
 };
+
+// The value `choices` maps `value` to; an error naming the option and the
+// choices for any other.
+template <class T>
+T parse_choice(std::string_view option, const std::string& value,
+               std::initializer_list<std::pair<std::string_view, T>> choices) {
+  std::string names;
+  for (const auto& [name, v] : choices) {
+    if (name == value) return v;
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  }
+  SLIME_FAIL(option, " '", value, "': expected one of ", names);
+}
 
 }  // namespace rl_example

@@ -1,23 +1,41 @@
-// The RL trainer of the example, one instance per rank. A step:
+// trainer.hpp (qwen3_moe_rl example): the RL trainer, one instance per rank.
+// A step (train_step) is seven phases, each a short function below:
 //
-//   rollout   the rank's prompts -> rollout::Engine (the trainer's kernels,
-//             colocated on the rank's device) -> responses + their logprobs
-//   reward    the task's verifier per response
-//   advantage GRPO / GSPO (group-normalised) or REINFORCE++ (group baseline,
-//             whitened over the global batch)
-//   pack      prompt + response sequences into micro-batches (equal count on
-//             every rank: the FSDP gathers are collective)
-//   loss      policy forward -> token logprobs -> TIS/MIS weights against the
-//             rollout logprobs -> reference logprobs (KL) -> rl::policy_loss
-//             with global normalisers -> backward through Sharded
-//   update    AdamW on the fp32 master shards (grad-norm clip, LR schedule)
-//   sync      the new weights into the engine (one parameter gathered at a time)
-//   metrics   all-reduced; rank 0 logs JSONL / TensorBoard / the progress line
-//   checkpoint every N steps and at the end; HF export at the end.
+//   1. rollout     the rank's prompts -> rollout::Engine (the trainer's
+//                  kernels; colocated on the rank's device, or on an engine
+//                  rank under --rollout disaggregated) -> responses + logprobs
+//   2. score       the task's verifier (or reward.hpp's function) per response
+//   3. advantages  --advantage: GRPO / Dr. GRPO (group-normalised), REINFORCE++
+//                  (token returns) or REINFORCE++ with a group baseline, both
+//                  whitened over the global batch; one value per response token
+//   4. pack        data::Packer: the responses (prompt + response) into
+//                  micro-batches under --max-tokens-per-gpu, balanced, the
+//                  same count on every rank (the FSDP gathers are collective)
+//   5. train       per micro-batch: policy forward -> token logprobs -> TIS/MIS
+//                  weights against the rollout logprobs -> reference logprobs
+//                  (KL) -> rl::policy_loss (--loss, global normalisers) ->
+//                  backward through Sharded; then AdamW on the fp32 master
+//                  shards (grad-norm clip, LR schedule)
+//   6. sync        the new weights into the engine (one parameter gathered at a time)
+//   7. log         StepMetrics reduced over the ranks; rank 0 writes JSONL /
+//                  TensorBoard / the progress line
+// and, every N steps and at the end, a checkpoint; at the end the HF export.
 //
 // One optimizer step per rollout, so the trainer's "old" logprobs are the
 // logprobs of the training forward itself (the PPO ratio starts at 1); the
 // importance weights correct the engine/trainer mismatch (rollout vs old).
+//
+// Parallelism: the mesh dp_shard x ep (ep innermost) is always built; at
+// --ep 1 its ep axis has one rank and every code path is the same. The
+// experts split over the ep ranks and each slice shards over the dp ranks.
+//
+// Colocation (--offload): the device holds either the policy's training
+// state (train phase, checkpoints) or the engine's weights and KV cache
+// (sync and rollout phases); the other waits in pinned host memory
+// (Sharded::offload / Engine::offload), as does the reference model outside
+// the train phase. metrics.jsonl's peak_memory_bytes is each step's device
+// high-water mark (slime's allocator statistics; on the CPU, the process's
+// host memory, which the rank threads share).
 #pragma once
 
 #include <algorithm>
@@ -28,28 +46,28 @@
 #include <iostream>
 #include <memory>
 #include <optional>
-#include <span>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <fmt/core.h>
 
 #include "options.hpp"
 #include "remote_rollout.hpp"
 #include "reward.hpp"
 #include "slime/comm/comm.hpp"
 #include "slime/comm/mesh.hpp"
+#include "slime/core/memory.hpp"
+#include "slime/data/distributed.hpp"
+#include "slime/data/packer.hpp"
 #include "slime/data/prompt_dataset.hpp"
 #include "slime/data/tasks.hpp"
 #include "slime/io/metrics_log.hpp"
 #include "slime/io/progress.hpp"
-#include "slime/io/safetensors_writer.hpp"
 #include "slime/io/train_state.hpp"
 #include "slime/nn/checkpoint.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/optim/lr_schedule.hpp"
 #include "slime/parallel/expert_parallel.hpp"
+#include "slime/parallel/export_hf.hpp"
 #include "slime/parallel/sharded.hpp"
 #include "slime/parallel/sharded_checkpoint.hpp"
 #include "slime/rl/advantages.hpp"
@@ -59,6 +77,7 @@
 #include "slime/rollout/engine.hpp"
 #include "slime/rollout/remote.hpp"
 #include "slime/rollout/weight_sync.hpp"
+#include "step_metrics.hpp"
 
 namespace rl_example {
 
@@ -104,13 +123,25 @@ struct StepReport {
   double loss = 0;
 };
 
-// One packed micro-batch of samples [first, last) of the rank's rollout.
+// This rank's share of a step: its prompts, n responses each (prompt-major),
+// and what the phases learn about them.
+struct Rollout {
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<int64_t> dataset_rows;  // --prompts: each prompt's row
+  std::vector<rollout::Completion> responses;
+  std::vector<float> rewards;                  // per response
+  std::vector<std::vector<float>> advantages;  // per response, per response token
+};
+
+// One packed micro-batch: the trainer's inputs (prompt + response without its
+// last token) and per input position the target (the next token) and what
+// the loss needs of it.
 struct MicroBatch {
   nn::PackedBatch batch;
   Tensor targets;     // i32 [T] on the device
-  Tensor loss_mask;   // u8 [T] host
+  Tensor loss_mask;   // u8 [T] host: 1 where the target is a response token
   Tensor rollout_lp;  // f32 [T] host (0 outside the loss)
-  Tensor advantages;  // f32 [T] host
+  Tensor advantages;  // f32 [T] host (0 outside the loss)
   Tensor cu_seqlens;  // i32 [S + 1] host
   int64_t response_tokens = 0;
 };
@@ -121,28 +152,19 @@ class Trainer {
   using Policy = parallel::Sharded<nn::Qwen3Model, Strategy>;
 
   // `remote`: disaggregated rollout (remote_rollout.hpp); null: an engine
-  // colocated on this rank's device.
-  Trainer(const Options& o, comm::Comm& comm, Device device, const RemoteRollout* remote = nullptr)
-      : o_(o), comm_(comm), device_(device), remote_(remote) {
-    dtype_ = device.is_cuda() ? DType::bf16 : DType::f32;
+  // colocated on this rank's device. `comm`: the trainer ranks.
+  Trainer(const Options& o, comm::Comm& comm, const RemoteRollout* remote = nullptr)
+      : o_(o), comm_(comm), device_(comm.device()), remote_(remote) {
+    dtype_ = device_.is_cuda() ? DType::bf16 : DType::f32;
     task_ = data::make_task(o.task);
-    SLIME_CHECK(o.prompts_per_rollout % comm.size() == 0, "--prompts-per-rollout ", o.prompts_per_rollout,
-                " must divide over the ", comm.size(), " ranks");
-    SLIME_CHECK(o.samples_per_prompt >= 2, "--samples-per-prompt must be >= 2 (a group needs a baseline)");
-    SLIME_CHECK(o.ep >= 1 && comm.size() % o.ep == 0, "--ep ", o.ep, " must be >= 1 and divide the ", comm.size(),
-                " ranks");
     config_ = model_config(o);
-    if (o.ep > 1) {
-      // Mesh dp_shard x ep (ep innermost): the experts split over the ep
-      // ranks, and each slice shards over the dp ranks (Sharded's expert units).
-      SLIME_CHECK(config_.is_moe(), "--ep ", o.ep, ": the model is not a mixture of experts");
-      SLIME_CHECK(config_.num_experts % o.ep == 0, "--ep ", o.ep, " must divide the ", config_.num_experts, " experts");
-      mesh_ = std::make_unique<comm::Mesh>(
-          comm, comm::MeshShape{.dp_replicate = 1, .dp_shard = comm.size() / o.ep, .cp = 1, .ep = o.ep});
-      ep_ = std::make_unique<parallel::ExpertParallel<>>(*mesh_, config_.num_experts);
-    }
-    // This rank's experts only (all of them without expert parallelism).
-    nn::Qwen3Model model(config_, {device, dtype_}, ep_.get());
+    check_options();
+    // The mesh dp_shard x ep; experts only for a mixture of experts.
+    mesh_ = std::make_unique<comm::Mesh>(
+        comm, comm::MeshShape{.dp_replicate = 1, .dp_shard = comm.size() / o.ep, .cp = 1, .ep = o.ep});
+    if (config_.is_moe()) ep_ = std::make_unique<parallel::ExpertParallel<>>(*mesh_, config_.num_experts);
+    // This rank's experts only (all of them at --ep 1).
+    nn::Qwen3Model model(config_, {device_, dtype_}, ep_.get());
     if (o.model.empty()) {
       model.init_random(o.seed, o.init_std);
     } else {
@@ -165,21 +187,20 @@ class Trainer {
       ref_.emplace(model, ep_.get(), rl::ReferenceModelConfig{.update_every = 0, .offload = o.offload});
     optim::AdamWConfig adamw;
     adamw.weight_decay = o.weight_decay;
-    policy_ = mesh_ ? std::make_unique<Policy>(std::move(model), *mesh_, parallel::ShardedOptions{}, adamw)
-                    : std::make_unique<Policy>(std::move(model), comm, parallel::ShardedOptions{}, adamw);
+    policy_ = std::make_unique<Policy>(std::move(model), *mesh_, parallel::ShardedOptions{}, adamw);
     if (remote_) {
       if (remote_->sync) broadcast_command(*remote_->sync, EngineCommand::hello, context, device_);
     } else {
-      engine_model_ = std::make_unique<nn::Qwen3Model>(config_, nn::ModuleOptions{device, dtype_});
+      engine_model_ = std::make_unique<nn::Qwen3Model>(config_, nn::ModuleOptions{device_, dtype_});
       engine_ = std::make_unique<rollout::Engine>(*engine_model_, engine_config(o, context));
     }
     schedule_ = o.lr_schedule == "cosine"   ? optim::LrSchedule::cosine(o.lr, o.warmup_steps, o.steps, o.min_lr)
                 : o.lr_schedule == "warmup" ? optim::LrSchedule::linear_warmup(o.lr, std::max(o.warmup_steps, 1))
                                             : optim::LrSchedule::constant(o.lr);
-    loss_config_ = loss_config(o);
+    packer_.emplace(data::PackConfig{.dp_size = 1, .max_tokens_per_gpu = o.max_tokens_per_gpu});
   }
 
-  // Runs the steps; rank 0 logs. Returns the per-step mean rewards (every rank).
+  // Runs the steps; rank 0 logs. Returns the per-step reports (every rank).
   std::vector<StepReport> run() {
     std::vector<StepReport> reports = run_steps();
     if (remote_ && remote_->sync) broadcast_command(*remote_->sync, EngineCommand::stop, 0, device_);
@@ -187,95 +208,100 @@ class Trainer {
   }
 
  private:
+  using clock = std::chrono::steady_clock;
+  static double seconds(clock::time_point a, clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+  }
+
+  // Every option the trainer reads, checked before anything is built.
+  void check_options() const {
+    const int W = comm_.size();
+    SLIME_CHECK(o_.prompts_per_rollout % W == 0, "--prompts-per-rollout ", o_.prompts_per_rollout,
+                " must divide over the ", W, " ranks");
+    SLIME_CHECK(o_.samples_per_prompt >= 2, "--samples-per-prompt must be >= 2 (a group needs a baseline)");
+    SLIME_CHECK(o_.ep >= 1 && W % o_.ep == 0, "--ep ", o_.ep, " must be >= 1 and divide the ", W, " ranks");
+    SLIME_CHECK(config_.is_moe() || o_.ep == 1, "--ep ", o_.ep, ": the model is not a mixture of experts");
+    SLIME_CHECK(!config_.is_moe() || config_.num_experts % o_.ep == 0, "--ep ", o_.ep, " must divide the ",
+                config_.num_experts, " experts");
+    (void)advantage_kind();
+    (void)loss_config(o_);
+    (void)parse_choice<int>("--is", o_.is_correction,
+                            {{"none", 0}, {"tis", 0}, {"mis-token", 0}, {"mis-sequence", 0}, {"mis-geometric", 0}});
+    (void)parse_choice<int>("--mis-mode", o_.mis_mode, {{"truncate", 0}, {"clip", 0}, {"mask", 0}});
+    (void)parse_choice<int>("--lr-schedule", o_.lr_schedule, {{"constant", 0}, {"warmup", 0}, {"cosine", 0}});
+  }
+
   std::vector<StepReport> run_steps() {
     const fs::path out = o_.out_dir, ckpt = out / "checkpoints";
     int64_t start = 0;
     if (o_.resume) start = resume(ckpt);
     if (dataset_ && start > 0) (void)dataset_->next_batch(start * o_.prompts_per_rollout);  // the data position
     sync_engine(start);
-    std::unique_ptr<io::MetricsLog> log;
-    std::unique_ptr<io::Progress> progress;
     if (comm_.rank() == 0) {
       fs::create_directories(out);
       io::MetricsLogOptions lo;
       if (o_.resume) lo.resume_step = start + 1;  // steps are logged 1-based: keep 1..start
       if (o_.tensorboard) lo.tensorboard_dir = out / "tensorboard";
-      log = std::make_unique<io::MetricsLog>(out / "metrics.jsonl", lo);
+      log_ = std::make_unique<io::MetricsLog>(out / "metrics.jsonl", lo);
       io::ProgressOptions po;
       po.total_steps = o_.steps;
       po.print_every = std::max(1, o_.steps / 10);
-      progress = std::make_unique<io::Progress>(std::cout, po, start);
+      progress_ = std::make_unique<io::Progress>(std::cout, po, start);
     }
     std::vector<StepReport> reports;
     for (int64_t step = start; step < o_.steps; ++step) {
-      const auto t0 = std::chrono::steady_clock::now();
-      io::Scalars m = train_step(step);
-      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      m.emplace_back("step_seconds", secs);
-      double tokens = 0;
-      for (const auto& [k, v] : m)
-        if (k == "tokens") tokens = v;
-      m.emplace_back("tokens_per_s", tokens / secs);
-      reports.push_back({value(m, "reward"), value(m, "loss")});
-      if (log) {
-        log->log(step + 1, m);
-        progress->update(step + 1, {{"reward", value(m, "reward")},
-                                    {"loss", value(m, "loss")},
-                                    {"kl", value(m, "kl")},
-                                    {"tis_w", value(m, "importance_weight_mean")},
-                                    {"tok/s", value(m, "tokens_per_s")}});
-      }
+      reports.push_back(train_step(step));
       const bool last = step + 1 == o_.steps;
       if (last || (o_.checkpoint_every > 0 && (step + 1) % o_.checkpoint_every == 0)) save(ckpt, step + 1);
     }
-    if (progress) progress->finish();
-    if (o_.export_hf) export_hf(out / "hf");
+    if (progress_) progress_->finish();
+    if (o_.export_hf) parallel::save_hf(*policy_, comm_, config_, out / "hf", {.dtype = dtype_, .ep = ep_.get()});
     return reports;
-  }
-
-  static double value(const io::Scalars& m, std::string_view key) {
-    for (const auto& [k, v] : m)
-      if (k == key) return v;
-    return 0;
-  }
-
-  static rl::PolicyLossConfig loss_config(const Options& o) {
-    rl::PolicyLossConfig c;
-    SLIME_CHECK(o.advantage == "grpo" || o.advantage == "gspo" || o.advantage == "reinforce++", "--advantage '",
-                o.advantage, "': expected grpo, gspo or reinforce++");
-    c.kind = o.advantage == "gspo" ? rl::PolicyLossKind::gspo : rl::PolicyLossKind::ppo;
-    c.eps_clip = o.eps_clip;
-    c.eps_clip_high = o.eps_clip_high;
-    c.eps_clip_c = o.eps_clip_c;
-    c.entropy_coef = o.entropy_coef;
-    c.kl_coef = o.kl_coef;
-    SLIME_CHECK(o.kl_type == "k1" || o.kl_type == "k2" || o.kl_type == "k3", "--kl-type '", o.kl_type,
-                "': expected k1, k2 or k3");
-    c.kl_estimator = o.kl_type == "k1"   ? rl::KlEstimator::k1
-                     : o.kl_type == "k2" ? rl::KlEstimator::k2
-                                         : rl::KlEstimator::k3;
-    c.aggregation = rl::Aggregation::token_mean;
-    return c;
   }
 
   // ---- one step ----------------------------------------------------------
 
-  io::Scalars train_step(int64_t step) {
-    const int W = comm_.size(), r = comm_.rank();
-    const int64_t per_rank = o_.prompts_per_rollout / W, n = o_.samples_per_prompt;
-    // Rollout: this rank's prompts (every rank draws the step's whole batch in
-    // the same order and takes its slice), n samples each.
-    std::vector<int64_t> batch;  // dataset indices of the step's prompts
+  StepReport train_step(int64_t step) {
+    StepMetrics m;
+    reset_peak_memory_stats(device_);
+    const auto start = clock::now();
+    Rollout r = rollout(step);  // 1
+    const auto rollout_end = clock::now();
+    score(r);                               // 2
+    advantages(r);                          // 3
+    std::vector<MicroBatch> mbs = pack(r);  // 4
+    train(mbs, step, m);                    // 5
+    synchronize_device(device_);            // the phase timings are of finished work
+    const auto train_end = clock::now();
+    sync_engine(step + 1);  // 6
+    synchronize_device(device_);
+    const auto sync_end = clock::now();
+    m.samples = int64_t(r.responses.size());
+    for (float x : r.rewards) m.reward += x;
+    m.peak_memory_bytes = memory_stats(device_).peak_bytes;
+    m.rollout_seconds = seconds(start, rollout_end);
+    m.train_seconds = seconds(rollout_end, train_end);
+    m.sync_seconds = seconds(train_end, sync_end);
+    return log_step(step, m, start);  // 7
+  }
+
+  // 1. This rank's prompts (every rank draws the step's whole batch in the
+  // same order and takes its slice), n samples each, keyed by their global
+  // slot: the same samples whatever the rank count.
+  Rollout rollout(int64_t step) {
+    const int64_t per_rank = o_.prompts_per_rollout / comm_.size(), n = o_.samples_per_prompt;
+    Rollout r;
+    std::vector<int64_t> batch;  // dataset rows of the step's prompts
     if (dataset_) batch = dataset_->next_batch(o_.prompts_per_rollout);
-    std::vector<std::vector<int32_t>> prompts;
     std::vector<rollout::Request> requests;
     for (int64_t i = 0; i < per_rank; ++i) {
-      const int64_t slot = r * per_rank + i;
+      const int64_t slot = comm_.rank() * per_rank + i;
       const uint64_t g = uint64_t(step) * uint64_t(o_.prompts_per_rollout) + uint64_t(slot);
-      prompts.push_back(dataset_ ? (*dataset_)[batch[std::size_t(slot)]].tokens : task_->prompt(o_.seed, g));
+      if (dataset_) r.dataset_rows.push_back(batch[std::size_t(slot)]);
+      r.prompts.push_back(dataset_ ? (*dataset_)[r.dataset_rows.back()].tokens : task_->prompt(o_.seed, g));
       for (int64_t j = 0; j < n; ++j) {
         rollout::Request q;
-        q.prompt = prompts.back();
+        q.prompt = r.prompts.back();
         q.sample_id = g * uint64_t(n) + uint64_t(j);
         q.sampling.temperature = o_.temperature;
         q.sampling.max_new_tokens = dataset_ ? o_.max_new_tokens : task_->answer_length() + 1;
@@ -283,201 +309,225 @@ class Trainer {
         requests.push_back(std::move(q));
       }
     }
-    using clock = std::chrono::steady_clock;
-    const auto seconds = [](clock::time_point a, clock::time_point b) {
-      return std::chrono::duration<double>(b - a).count();
-    };
-    const auto rollout_start = clock::now();
-    const std::vector<rollout::Completion> done = generate(requests);
-    const auto rollout_end = clock::now();
-    // Rewards: the task's verifier, or the user's function for a dataset.
-    const int64_t N = int64_t(done.size());
-    std::vector<float> rewards(static_cast<std::size_t>(N));
-    for (int64_t s = 0; s < N; ++s) {
-      SLIME_CHECK(done[s].finish != rollout::FinishReason::error, "rollout failed: ", done[s].error);
-      const auto& prompt = prompts[std::size_t(s / n)];
-      const auto& response = done[std::size_t(s)].tokens;
-      rewards[std::size_t(s)] =
-          float(dataset_ ? user_reward(prompt, response, (*dataset_)[batch[std::size_t(r * per_rank + s / n)]].label)
-                         : task_->reward(prompt, response));
+    r.responses = generate(requests);
+    for (const rollout::Completion& c : r.responses)
+      SLIME_CHECK(c.finish != rollout::FinishReason::error && !c.tokens.empty(), "rollout failed: ", c.error);
+    return r;
+  }
+
+  // 2. Rewards: the task's verifier, or the user's function for a dataset.
+  void score(Rollout& r) {
+    const std::size_t n = std::size_t(o_.samples_per_prompt);
+    r.rewards.resize(r.responses.size());
+    for (std::size_t s = 0; s < r.responses.size(); ++s) {
+      const std::vector<int32_t>& prompt = r.prompts[s / n];
+      const std::vector<int32_t>& response = r.responses[s].tokens;
+      r.rewards[s] = float(dataset_ ? user_reward(prompt, response, (*dataset_)[r.dataset_rows[s / n]].label)
+                                    : task_->reward(prompt, response));
     }
-    const std::vector<float> adv = advantages(rewards);
-    // Micro-batches: the same count on every rank.
-    std::vector<MicroBatch> mbs = pack(prompts, done, adv);
-    // The global normaliser of the loss.
+  }
+
+  enum class AdvantageKind { grpo, dr_grpo, reinforce_pp, reinforce_pp_baseline };
+  AdvantageKind advantage_kind() const {
+    return parse_choice<AdvantageKind>("--advantage", o_.advantage,
+                                       {{"grpo", AdvantageKind::grpo},
+                                        {"dr-grpo", AdvantageKind::dr_grpo},
+                                        {"reinforce++", AdvantageKind::reinforce_pp},
+                                        {"reinforce++-baseline", AdvantageKind::reinforce_pp_baseline}});
+  }
+
+  // 3. Advantages (rl/advantages.hpp) of the rank's responses, groups of n
+  // consecutive ones (a prompt's group never straddles ranks). GRPO's are
+  // per response; REINFORCE++'s per token, on the responses packed as
+  // sequences of their tokens, then whitened over the global batch.
+  void advantages(Rollout& r) {
+    const int64_t N = int64_t(r.responses.size()), n = o_.samples_per_prompt;
+    const std::vector<int64_t> groups(std::size_t(N / n), n);
+    const AdvantageKind kind = advantage_kind();
+    r.advantages.resize(std::size_t(N));
+    if (kind == AdvantageKind::grpo || kind == AdvantageKind::dr_grpo) {
+      const std::vector<float> a = rl::grpo_advantages(Tensor::from_vector(r.rewards, {N}), groups,
+                                                       /*normalize_std=*/kind == AdvantageKind::grpo)
+                                       .template to_vector<float>();
+      for (int64_t s = 0; s < N; ++s)
+        r.advantages[std::size_t(s)].assign(r.responses[std::size_t(s)].tokens.size(), a[std::size_t(s)]);
+      return;
+    }
+    std::vector<int32_t> cu = {0};
+    for (const rollout::Completion& c : r.responses) cu.push_back(cu.back() + int32_t(c.tokens.size()));
+    const int64_t T = cu.back();
+    const std::vector<uint8_t> mask(std::size_t(T), 1);
+    std::vector<float> a(std::size_t(T), 0.f);
+    // The KL to the reference enters through the loss (--kl-coef), not the returns.
+    if (kind == AdvantageKind::reinforce_pp) {
+      rl::cpu::reinforce_pp_advantages<float>(r.rewards.data(), nullptr, mask.data(), cu.data(), N, T, 0.0, o_.gamma,
+                                              /*whiten_batch=*/false, a.data());
+    } else {
+      rl::cpu::reinforce_pp_baseline_advantages<float>(r.rewards.data(), groups.data(), int64_t(groups.size()), nullptr,
+                                                       mask.data(), cu.data(), N, T, 0.0, /*whiten_batch=*/false,
+                                                       a.data());
+    }
+    whiten_over_ranks(a);
+    for (int64_t s = 0; s < N; ++s)
+      r.advantages[std::size_t(s)].assign(a.begin() + cu[std::size_t(s)], a.begin() + cu[std::size_t(s + 1)]);
+  }
+
+  // x <- (x - mean) / sqrt(var + 1e-8), mean and population variance over
+  // every rank's values (rl::cpu::whiten's formula on the global batch).
+  void whiten_over_ranks(std::vector<float>& x) {
+    double moments[2] = {double(x.size()), 0};
+    for (float v : x) moments[1] += v;
+    sum_over_ranks(comm_, moments);
+    const double mean = moments[0] > 0 ? moments[1] / moments[0] : 0;
+    double ss[1] = {0};
+    for (float v : x) ss[0] += (double(v) - mean) * (double(v) - mean);
+    sum_over_ranks(comm_, ss);
+    const double inv = 1 / std::sqrt((moments[0] > 0 ? ss[0] / moments[0] : 0) + rl::whiten_eps);
+    for (float& v : x) v = float((double(v) - mean) * inv);
+  }
+
+  // 4. The rank's responses as data::Samples (inputs: prompt + response
+  // without its last token; the last |response| inputs predict the response),
+  // split by the Packer into as many micro-batches as the rank that needs most.
+  std::vector<MicroBatch> pack(const Rollout& r) {
+    const std::size_t n = std::size_t(o_.samples_per_prompt);
+    std::vector<data::Sample> samples(r.responses.size());
+    std::vector<int64_t> lengths;
+    for (std::size_t s = 0; s < samples.size(); ++s) {
+      const rollout::Completion& c = r.responses[s];
+      data::Sample& x = samples[s];
+      x.tokens = r.prompts[s / n];
+      x.tokens.insert(x.tokens.end(), c.tokens.begin(), c.tokens.end());
+      x.tokens.pop_back();
+      x.response_length = int32_t(c.tokens.size());
+      x.loss_mask.assign(c.tokens.size(), 1);
+      x.rollout_log_probs = c.logprobs;
+      x.reward = r.rewards[s];
+      x.group_index = int64_t(s / n);
+      lengths.push_back(x.length());
+    }
+    const data::PackConfig& pc = packer_->config();
+    const int count = data::agree_micro_batch_count(comm_, data::local_micro_batch_count(pc, lengths));
+    std::vector<MicroBatch> mbs;
+    for (const data::MicroBatchPlan& plan : data::split_micro_batches(pc, lengths, count))
+      mbs.push_back(to_micro_batch(packer_->pack(plan, samples), r, samples));
+    return mbs;
+  }
+
+  // The tensors of one packed micro-batch. An empty one (a rank with fewer
+  // responses than the agreed count) is one token outside the loss: its
+  // forward and backward still run, to match the peers' collectives.
+  MicroBatch to_micro_batch(data::MicroBatch p, const Rollout& r, const std::vector<data::Sample>& samples) const {
+    if (p.sample_index.empty()) {
+      p.tokens = p.positions = {0};
+      p.loss_mask = {0};
+      p.cu_seqlens = {0, 1};
+      p.max_seqlen = 1;
+    }
+    const int64_t T = p.num_tokens();
+    std::vector<int32_t> targets(std::size_t(T), 0);
+    std::vector<float> rollout_lp(std::size_t(T), 0.f), adv(std::size_t(T), 0.f);
+    MicroBatch mb;
+    for (int q = 0; q < p.num_sequences(); ++q) {
+      const std::size_t i = std::size_t(p.sample_index[std::size_t(q)]);
+      const data::Sample& x = samples[i];
+      const int64_t begin = p.cu_seqlens[std::size_t(q)], len = x.length(), first = begin + len - x.response_length;
+      for (int64_t t = 0; t + 1 < len; ++t) targets[std::size_t(begin + t)] = x.tokens[std::size_t(t + 1)];
+      targets[std::size_t(begin + len - 1)] = r.responses[i].tokens.back();
+      for (int64_t j = 0; j < x.response_length; ++j) {
+        rollout_lp[std::size_t(first + j)] = x.rollout_log_probs[std::size_t(j)];
+        adv[std::size_t(first + j)] = r.advantages[i][std::size_t(j)];
+      }
+      mb.response_tokens += x.response_length;
+    }
+    const int64_t S = int64_t(p.cu_seqlens.size()) - 1;
+    mb.batch.tokens = Tensor::from_vector(p.tokens, {T}, device_);
+    mb.batch.positions = Tensor::from_vector(p.positions, {T}, device_);
+    mb.batch.cu_seqlens = Tensor::from_vector(p.cu_seqlens, {S + 1}, device_);
+    mb.batch.cu_seqlens_host = p.cu_seqlens;
+    mb.batch.max_seqlen = p.max_seqlen;
+    mb.targets = Tensor::from_vector(targets, {T}, device_);
+    mb.loss_mask = Tensor::from_vector(p.loss_mask, {T});
+    mb.rollout_lp = Tensor::from_vector(rollout_lp, {T});
+    mb.advantages = Tensor::from_vector(adv, {T});
+    mb.cu_seqlens = Tensor::from_vector(p.cu_seqlens, {S + 1});
+    return mb;
+  }
+
+  // 5. Loss and backward, micro-batch by micro-batch, with the normalisers
+  // of the global batch; then the optimizer step.
+  void train(std::vector<MicroBatch>& mbs, int64_t step, StepMetrics& m) {
+    device_to_trainer();
+    const rl::LossNormalizer norm = global_normalizer(mbs);
+    policy_->zero_grad();
+    policy_->set_micro_batches(int(mbs.size()));
+    if (ref_ && o_.offload) ref_->onload();
+    for (MicroBatch& mb : mbs) {
+      train_micro_batch(mb, norm, m);
+      m.tokens += mb.batch.num_tokens();
+      m.response_tokens += mb.response_tokens;
+    }
+    if (ref_ && o_.offload) ref_->offload();
+    m.lr = schedule_.lr(step + 1);
+    m.grad_norm = policy_->optimizer_step(m.lr, o_.max_grad_norm).value_or(0.0);
+  }
+
+  // The loss's token and sequence counts over every micro-batch of every rank.
+  rl::LossNormalizer global_normalizer(const std::vector<MicroBatch>& mbs) {
     rl::LossNormalizer norm;
     for (const MicroBatch& mb : mbs) {
       const rl::LossNormalizer c = rl::count_normalizer(mb.loss_mask, mb.cu_seqlens);
       norm.tokens += c.tokens;
       norm.sequences += c.sequences;
     }
-    {
-      std::vector<float> v = {float(norm.tokens), float(norm.sequences)};
-      Tensor t = Tensor::from_vector(v, {2}, device_);
-      comm_.all_reduce(t);
-      v = t.to_vector<float>();
-      norm.tokens = int64_t(v[0]);
-      norm.sequences = int64_t(v[1]);
-    }
-    // Loss and backward, micro-batch by micro-batch.
-    policy_->zero_grad();
-    policy_->set_micro_batches(int(mbs.size()));
-    rl::PolicyLossMetrics lm;
-    rl::ImportanceMetrics im;
-    int64_t tokens = 0, response_tokens = 0;
-    if (ref_ && o_.offload) ref_->onload();
-    for (MicroBatch& mb : mbs) {
-      typename Policy::Context ctx;
-      const Tensor hidden = policy_->forward(mb.batch, ctx);
-      const ops::TokenLogprobs fwd = policy_->token_logprobs(hidden, mb.targets, o_.temperature);
-      const Tensor lp_host = fwd.logprobs.to(Device::cpu());
-      rl::PolicyLossTensors in;
-      in.lp = fwd.logprobs;
-      in.old_lp = fwd.logprobs;  // one update per rollout: old = current (detached)
-      in.advantages = mb.advantages.to(device_);
-      in.loss_mask = mb.loss_mask.to(device_);
-      in.cu_seqlens = mb.batch.cu_seqlens;
-      if (o_.entropy_coef != 0) in.entropy = fwd.entropy;
-      if (ref_) in.ref_lp = ref_->logprobs(mb.batch, mb.targets, o_.temperature);
-      if (o_.is_correction != "none") {
-        const rl::ImportanceResult w = importance(lp_host, mb);
-        im += w.metrics;
-        in.is_weights = w.weights.to(device_);
-        in.keep_mask = w.keep_mask.to(device_);
-      }
-      const rl::PolicyLossResult res = rl::policy_loss(loss_config_, norm, in);
-      lm += res.metrics;
-      const Tensor d_hidden =
-          policy_->token_logprobs_backward(hidden, mb.targets, o_.temperature, fwd, res.grad_lp, res.grad_entropy);
-      policy_->backward(ctx, d_hidden);
-      tokens += mb.batch.num_tokens();
-      response_tokens += mb.response_tokens;
-    }
-    if (ref_ && o_.offload) ref_->offload();
-    const std::optional<double> grad_norm = policy_->optimizer_step(schedule_.lr(step + 1), o_.max_grad_norm);
-    synchronize_device(device_);  // the phase timings below are of finished work
-    const auto train_end = clock::now();
-    sync_engine(step + 1);
-    synchronize_device(device_);
-    const auto sync_end = clock::now();
-    // Metrics: sums over ranks.
-    double reward_sum = 0;
-    for (float x : rewards) reward_sum += x;
-    std::vector<float> sums = {float(reward_sum),
-                               float(N),
-                               float(lm.loss),
-                               float(lm.pg_loss),
-                               float(lm.kl),
-                               float(lm.entropy),
-                               float(lm.clip_fraction),
-                               float(im.weight_sum),
-                               float(im.kept),
-                               float(im.clipped),
-                               float(im.tokens),
-                               float(im.k3_sum),
-                               float(tokens),
-                               float(response_tokens)};
-    Tensor t = Tensor::from_vector(sums, {int64_t(sums.size())}, device_);
+    Tensor t = Tensor::from_vector(std::vector<int64_t>{norm.tokens, norm.sequences}, {2}, device_);
     comm_.all_reduce(t);
-    sums = t.to_vector<float>();
-    io::Scalars m = {{"reward", sums[0] / sums[1]},
-                     {"loss", sums[2]},
-                     {"pg_loss", sums[3]},
-                     {"kl", sums[4]},
-                     {"entropy", sums[5]},
-                     {"clip_fraction", sums[6]},
-                     {"importance_weight_mean", sums[8] > 0 ? sums[7] / sums[8] : 1.0},
-                     {"importance_clip_fraction", sums[10] > 0 ? sums[9] / sums[10] : 0.0},
-                     {"kl_rollout_k3", sums[10] > 0 ? sums[11] / sums[10] : 0.0},
-                     {"tokens", sums[12]},
-                     {"response_length", sums[13] / sums[1]},
-                     {"lr", schedule_.lr(step + 1)},
-                     {"grad_norm", grad_norm.value_or(0.0)},
-                     // rank 0's wall time of the step's phases
-                     {"rollout_seconds", seconds(rollout_start, rollout_end)},
-                     {"train_seconds", seconds(rollout_end, train_end)},
-                     {"sync_seconds", seconds(train_end, sync_end)}};
-    return m;
+    const std::vector<int64_t> v = t.to_vector<int64_t>();
+    return {v[0], v[1]};
   }
 
-  // Per-sample advantages of this rank's samples (groups of n consecutive).
-  std::vector<float> advantages(const std::vector<float>& rewards) {
-    const int64_t N = int64_t(rewards.size()), n = o_.samples_per_prompt;
-    const Tensor r = Tensor::from_vector(rewards, {N});
-    std::vector<int64_t> groups(static_cast<std::size_t>(N / n), n);
-    if (o_.advantage != "reinforce++") return rl::grpo_advantages(r, groups, /*normalize_std=*/true).to_vector<float>();
-    // REINFORCE++ with a group baseline: r - mean_group(r), whitened with the
-    // mean and standard deviation of the global batch (one all-reduce).
-    std::vector<float> a = rl::grpo_advantages(r, groups, /*normalize_std=*/false).to_vector<float>();
-    double s = 0, s2 = 0;
-    for (float x : a) {
-      s += x;
-      s2 += double(x) * x;
+  void train_micro_batch(MicroBatch& mb, const rl::LossNormalizer& norm, StepMetrics& m) {
+    typename Policy::Context ctx;
+    const Tensor hidden = policy_->forward(mb.batch, ctx);
+    const ops::TokenLogprobs fwd = policy_->token_logprobs(hidden, mb.targets, o_.temperature);
+    rl::PolicyLossTensors in;
+    in.lp = fwd.logprobs;
+    in.old_lp = fwd.logprobs;  // one update per rollout: old = current (detached)
+    in.advantages = mb.advantages.to(device_);
+    in.loss_mask = mb.loss_mask.to(device_);
+    in.cu_seqlens = mb.batch.cu_seqlens;
+    if (o_.entropy_coef != 0) in.entropy = fwd.entropy;
+    if (ref_) in.ref_lp = ref_->logprobs(mb.batch, mb.targets, o_.temperature);
+    if (o_.is_correction != "none") {
+      const rl::ImportanceResult w = importance(fwd.logprobs.to(Device::cpu()), mb);
+      m.importance += w.metrics;
+      in.is_weights = w.weights.to(device_);
+      in.keep_mask = w.keep_mask.to(device_);
     }
-    Tensor t = Tensor::from_vector(std::vector<float>{float(s), float(s2), float(N)}, {3}, device_);
-    comm_.all_reduce(t);
-    const auto g = t.to_vector<float>();
-    const double mean = g[0] / g[2], var = std::max(0.0, g[1] / g[2] - mean * mean);
-    for (float& x : a) x = float((x - mean) / (std::sqrt(var) + 1e-8));
-    return a;
+    const rl::PolicyLossResult res = rl::policy_loss(loss_config(o_), norm, in);
+    m.loss += res.metrics;
+    policy_->backward(
+        ctx, policy_->token_logprobs_backward(hidden, mb.targets, o_.temperature, fwd, res.grad_lp, res.grad_entropy));
   }
 
-  // Splits the rank's samples into micro-batches of at most
-  // max_tokens_per_gpu tokens, as many as the rank that needs most.
-  std::vector<MicroBatch> pack(const std::vector<std::vector<int32_t>>& prompts,
-                               const std::vector<rollout::Completion>& done, const std::vector<float>& adv) {
-    const int64_t N = int64_t(done.size()), n = o_.samples_per_prompt;
-    std::vector<int64_t> len(static_cast<std::size_t>(N));
-    int64_t needed = 1, budget = 0;
-    for (int64_t s = 0; s < N; ++s) {
-      len[std::size_t(s)] = int64_t(prompts[std::size_t(s / n)].size() + done[std::size_t(s)].tokens.size()) - 1;
-      SLIME_CHECK(len[std::size_t(s)] <= o_.max_tokens_per_gpu, "a sequence of ", len[std::size_t(s)],
-                  " tokens exceeds --max-tokens-per-gpu ", o_.max_tokens_per_gpu);
-      if (budget + len[std::size_t(s)] > o_.max_tokens_per_gpu) {
-        ++needed;
-        budget = 0;
-      }
-      budget += len[std::size_t(s)];
-    }
-    Tensor t = Tensor::from_vector(std::vector<float>{float(needed)}, {1}, device_);
-    comm_.all_reduce(t, comm::ReduceOp::max);
-    const int64_t count = std::min<int64_t>(int64_t(t.to_vector<float>()[0]), N);
-    std::vector<MicroBatch> mbs;
-    for (int64_t c = 0; c < count; ++c) {
-      const int64_t first = N * c / count, last = N * (c + 1) / count;
-      std::vector<std::vector<int32_t>> inputs;
-      std::vector<int32_t> targets, cu = {0};
-      std::vector<uint8_t> mask;
-      std::vector<float> rollout_lp, token_adv;
-      int64_t response = 0;
-      for (int64_t s = first; s < last; ++s) {
-        const auto& p = prompts[std::size_t(s / n)];
-        const auto& d = done[std::size_t(s)];
-        std::vector<int32_t> seq = p;
-        seq.insert(seq.end(), d.tokens.begin(), d.tokens.end());
-        inputs.emplace_back(seq.begin(), seq.end() - 1);
-        for (std::size_t i = 1; i < seq.size(); ++i) {
-          targets.push_back(seq[i]);
-          const bool resp = i >= p.size();  // predicts a response token
-          mask.push_back(resp ? 1 : 0);
-          rollout_lp.push_back(resp ? d.logprobs[i - p.size()] : 0.f);
-          token_adv.push_back(resp ? adv[std::size_t(s)] : 0.f);
-          response += resp;
-        }
-        cu.push_back(int32_t(targets.size()));
-      }
-      MicroBatch mb;
-      const int64_t T = int64_t(targets.size());
-      mb.batch = nn::make_packed_batch(inputs, device_);
-      mb.targets = Tensor::from_vector(targets, {T}, device_);
-      mb.loss_mask = Tensor::from_vector(mask, {T});
-      mb.rollout_lp = Tensor::from_vector(rollout_lp, {T});
-      mb.advantages = Tensor::from_vector(token_adv, {T});
-      mb.cu_seqlens = Tensor::from_vector(cu, {int64_t(cu.size())});
-      mb.response_tokens = response;
-      mbs.push_back(std::move(mb));
-    }
-    return mbs;
+  static rl::PolicyLossConfig loss_config(const Options& o) {
+    rl::PolicyLossConfig c;
+    c.kind = parse_choice<rl::PolicyLossKind>(
+        "--loss", o.loss,
+        {{"ppo", rl::PolicyLossKind::ppo}, {"gspo", rl::PolicyLossKind::gspo}, {"cispo", rl::PolicyLossKind::cispo}});
+    c.aggregation = parse_choice<rl::Aggregation>("--loss-agg", o.loss_aggregation,
+                                                  {{"token_mean", rl::Aggregation::token_mean},
+                                                   {"seq_mean_token_mean", rl::Aggregation::seq_mean_token_mean},
+                                                   {"seq_mean_token_sum", rl::Aggregation::seq_mean_token_sum}});
+    c.eps_clip = o.eps_clip;
+    c.eps_clip_high = o.eps_clip_high;
+    c.eps_clip_c = o.eps_clip_c;
+    c.entropy_coef = o.entropy_coef;
+    c.kl_coef = o.kl_coef;
+    c.kl_estimator = parse_choice<rl::KlEstimator>(
+        "--kl-type", o.kl_type,
+        {{"k1", rl::KlEstimator::k1}, {"k2", rl::KlEstimator::k2}, {"k3", rl::KlEstimator::k3}});
+    return c;
   }
 
   // Importance weights of the trainer's logprobs against the engine's.
@@ -495,19 +545,49 @@ class Trainer {
       };
       if (o_.mis_mode == "clip") return run(rl::Clip{});
       if (o_.mis_mode == "mask") return run(rl::Mask{});
-      SLIME_CHECK(o_.mis_mode == "truncate", "--mis-mode '", o_.mis_mode, "': expected truncate, clip or mask");
-      return run(rl::Truncate{});
+      return run(rl::Truncate{});  // --mis-mode truncate
     };
     if (c == "mis-token") return with_mode(rl::Token{});
     if (c == "mis-sequence") return with_mode(rl::Sequence{});
-    SLIME_CHECK(c == "mis-geometric", "--is '", c, "': expected none, tis, mis-token, mis-sequence or mis-geometric");
-    return with_mode(rl::Geometric{});
+    return with_mode(rl::Geometric{});  // --is mis-geometric
   }
 
-  // ---- weights, checkpoints, export ------------------------------------------
+  // 7. The step's metrics over every rank; rank 0 writes them.
+  StepReport log_step(int64_t step, StepMetrics& m, clock::time_point start) {
+    m.step_seconds = seconds(start, clock::now());
+    m.reduce(comm_);
+    const io::Scalars s = m.scalars();
+    const auto value = [&](std::string_view key) {
+      for (const auto& [k, v] : s)
+        if (k == key) return v;
+      return 0.0;
+    };
+    if (log_) {
+      log_->log(step + 1, s);
+      progress_->update(step + 1, {{"reward", value("reward")},
+                                   {"loss", value("loss")},
+                                   {"kl", value("kl")},
+                                   {"tis_w", value("importance_weight_mean")},
+                                   {"tok/s", value("tokens_per_s")}});
+    }
+    return {value("reward"), value("loss")};
+  }
 
-  // The policy as a weight source (whole parameters, every expert).
-  rollout::ShardedWeights<Policy> weights() const { return {policy_.get(), ep_.get()}; }
+  // ---- the engine, colocation ---------------------------------------------
+
+  // --offload, colocated: which of the two holds the device (see the top).
+  void device_to_engine() {
+    if (!o_.offload || !engine_ || engine_on_device_) return;
+    policy_->offload();
+    engine_->onload();
+    engine_on_device_ = true;
+  }
+  void device_to_trainer() {
+    if (!o_.offload || !engine_ || !engine_on_device_) return;
+    engine_->offload();
+    policy_->onload();
+    engine_on_device_ = false;
+  }
 
   // This rank's completions: from the colocated engine, or from its engine rank.
   std::vector<rollout::Completion> generate(const std::vector<rollout::Request>& requests) {
@@ -517,17 +597,15 @@ class Trainer {
       rollout::send_requests(*remote_->world, engine, requests, device_);
       return rollout::recv_completions(*remote_->world, engine, device_);
     }
-    if (o_.offload) engine_->onload();
-    std::vector<rollout::Completion> done = engine_->generate(requests);
-    if (o_.offload) engine_->offload();
-    return done;
+    device_to_engine();
+    return engine_->generate(requests);
   }
 
-  // The policy's weights into the engine, one parameter gathered at a time
-  // (collective: every rank runs the same gathers). Disaggregated: trainer
-  // rank 0 broadcasts them to the engine ranks in buckets.
+  // 6. The policy's weights into the engine, one whole parameter gathered at a
+  // time (collective: every rank runs the same gathers). Disaggregated:
+  // trainer rank 0 broadcasts them to the engine ranks in buckets.
   void sync_engine(int64_t version) {
-    const rollout::ShardedWeights<Policy> weights = this->weights();
+    const rollout::ShardedWeights<Policy> weights{policy_.get(), ep_.get()};
     if (remote_) {
       if (remote_->sync) {
         broadcast_command(*remote_->sync, EngineCommand::weights, version, device_);
@@ -537,15 +615,17 @@ class Trainer {
       }
       return;
     }
-    if (o_.offload) engine_->onload();
+    device_to_engine();  // gathers from the offloaded policy's host masters
     rollout::sync_colocated(weights, *engine_, version);
-    if (o_.offload) engine_->offload();
   }
+
+  // ---- checkpoints -------------------------------------------------------
 
   // The policy's training state (parallel::save_sharded_state: masters and
   // AdamW moments as ranges of the full tensors, expert stacks in whole-stack
   // coordinates), so a run with other --ranks or --ep resumes it.
   void save(const fs::path& dir, int64_t step) {
+    device_to_trainer();
     io::TrainStateSaveOptions so;
     so.keep_last = 2;
     // "ranks" and "ep" for the record: a resume may use others.
@@ -559,60 +639,12 @@ class Trainer {
     return meta.at("step").template get<int64_t>();
   }
 
-  // A Hugging Face directory of the current weights: rank 0 writes, every
-  // rank takes part in the gathers (one parameter at a time).
-  void export_hf(const fs::path& dir) {
-    const std::vector<std::string> names = policy_->parameter_names();
-    if (comm_.rank() != 0) {
-      for (const std::string& name : names) (void)weights().whole(name);
-      return;
-    }
-    std::vector<io::SafetensorsEntry> entries;
-    std::vector<std::pair<std::size_t, int64_t>> source;  // (parameter, expert or -1) per entry
-    nn::Qwen3Model& m = policy_->module();
-    std::vector<nn::Parameter*> params;
-    m.for_each_parameter([&](nn::Parameter& p) { params.push_back(&p); });
-    std::size_t pi = 0;
-    for (const std::string& name : names) {
-      const auto it = std::find_if(params.begin(), params.end(), [&](nn::Parameter* p) { return p->name == name; });
-      SLIME_CHECK(it != params.end(), "export: no parameter '", name, "'");
-      const nn::Parameter& p = **it;
-      const Shape shape = policy_->parameter_shape(name);
-      if (p.is_expert_stack()) {  // every expert (the ep ranks' slices gathered)
-        const std::vector<int64_t> dims(shape.begin() + 1, shape.end());
-        for (int64_t e = 0; e < config_.num_experts; ++e) {
-          entries.push_back({p.expert_name(e - p.first_expert), dtype_, Shape(std::span<const int64_t>(dims))});
-          source.emplace_back(pi, e);
-        }
-      } else {
-        entries.push_back({name, dtype_, shape});
-        source.emplace_back(pi, -1);
-      }
-      ++pi;
-    }
-    std::size_t cached = SIZE_MAX, next = 0;
-    Tensor full;
-    io::export_hf_directory(dir, config_.to_json(), entries, [&](const io::SafetensorsEntry&) {
-      const auto [p, e] = source[next++];
-      if (cached != p) {
-        full = weights().whole(names[p]);
-        cached = p;
-      }
-      const std::vector<int64_t> row(full.shape().begin() + 1, full.shape().end());
-      const Tensor t =
-          e < 0 ? full : full.view(e * (full.numel() / full.size(0)), Shape(std::span<const int64_t>(row)));
-      Tensor out = Tensor::empty(t.shape(), dtype_, t.device());
-      ops::cast(t, out);
-      return out.to(Device::cpu());
-    });
-  }
-
   const Options& o_;
   comm::Comm& comm_;
   Device device_;
   const RemoteRollout* remote_ = nullptr;           // disaggregated rollout
-  std::unique_ptr<comm::Mesh> mesh_;                // --ep > 1: dp_shard x ep
-  std::unique_ptr<parallel::ExpertParallel<>> ep_;  // --ep > 1 (outlives the models)
+  std::unique_ptr<comm::Mesh> mesh_;                // dp_shard x ep
+  std::unique_ptr<parallel::ExpertParallel<>> ep_;  // the mesh's ep axis, MoE models (outlives the models)
   DType dtype_ = DType::f32;
   nn::Qwen3Config config_;
   std::unique_ptr<data::Task> task_;
@@ -621,8 +653,11 @@ class Trainer {
   std::optional<rl::ReferenceModel<>> ref_;
   std::unique_ptr<nn::Qwen3Model> engine_model_;
   std::unique_ptr<rollout::Engine> engine_;
+  bool engine_on_device_ = false;  // --offload: the engine, not the policy, holds the device
   optim::LrSchedule schedule_ = optim::LrSchedule::constant(1e-3);
-  rl::PolicyLossConfig loss_config_;
+  std::optional<data::Packer> packer_;
+  std::unique_ptr<io::MetricsLog> log_;  // rank 0
+  std::unique_ptr<io::Progress> progress_;
 };
 
 }  // namespace rl_example
