@@ -1,18 +1,16 @@
 // hello_slime: prints what this build of slime can see (CPU, CUDA devices)
-// and runs one all-reduce across ranks: threads on the CPU (LocalComm), or one
-// thread per GPU with NCCL. The smallest complete use of the library.
-#include <CLI/CLI.hpp>
+// and runs one all-reduce across ranks: threads on the CPU (LocalComm), one
+// thread per GPU with NCCL, or one process per rank under a launcher
+// (slime/comm/launch.hpp). The smallest complete use of the library.
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 
 #include <atomic>
 #include <string>
 
-#include "slime/comm/local_comm.hpp"
+#include "slime/comm/launch.hpp"
 #include "slime/core/device.hpp"
 #include "slime/core/tensor.hpp"
-#if SLIME_HAS_CUDA
-#include "slime/comm/nccl_comm.hpp"
-#endif
 
 namespace {
 
@@ -63,22 +61,17 @@ int main(int argc, char** argv) {
 
   try {
     print_devices();
-    const bool use_cuda = device == "cuda" || (device == "auto" && slime::cuda_device_count() > 0);
+    // Ranks as threads: CPU (LocalComm), or one GPU each with NCCL (at most
+    // the visible GPUs); one process per rank under torchrun / mpirun / srun.
+    const slime::comm::Launch launch =
+        slime::comm::plan_launch({.device = device, .ranks = ranks, .fit_to_devices = true});
+    if (!launch.note.empty()) fmt::print("{}\n", launch.note);
+    ranks = launch.world_size;
+    fmt::print("all_reduce over {} {} rank(s) ({}), {} floats each\n", ranks, launch.cuda() ? "GPU" : "CPU",
+               launch.cuda() ? "NCCL" : "threads, LocalComm", elements);
     std::atomic<int> ok{0};
-    if (use_cuda) {
-#if SLIME_HAS_CUDA
-      const int n = std::min(ranks, slime::cuda_device_count());
-      SLIME_CHECK(n >= 1, "--device cuda but no CUDA device is visible");
-      fmt::print("all_reduce over {} GPU rank(s) with NCCL, {} floats each\n", n, elements);
-      slime::comm::run_nccl_ranks(n, [&](slime::comm::Comm& comm) { ok += all_reduce_demo(comm, elements); });
-      ranks = n;
-#else
-      SLIME_FAIL("--device cuda but slime was built without CUDA");
-#endif
-    } else {
-      fmt::print("all_reduce over {} CPU rank(s) (threads, LocalComm), {} floats each\n", ranks, elements);
-      slime::comm::run_local_ranks(ranks, [&](slime::comm::Comm& comm) { ok += all_reduce_demo(comm, elements); });
-    }
+    slime::comm::run_ranks(launch, [&](slime::comm::Comm& comm) { ok += all_reduce_demo(comm, elements); });
+    if (launch.mode == slime::comm::LaunchMode::processes) return ok.load() == 1 ? 0 : 1;  // this process's rank
     const bool pass = ok.load() == ranks;
     fmt::print("result: {} ({} of {} ranks saw sum {})\n", pass ? "OK" : "WRONG", ok.load(), ranks,
                ranks * (ranks + 1) / 2);

@@ -146,6 +146,25 @@ struct MicroBatch {
   int64_t response_tokens = 0;
 };
 
+// Wall time of finished work: a lap first waits for the device.
+class Stopwatch {
+ public:
+  explicit Stopwatch(Device device) : device_(device), start_(clock::now()), lap_(start_) {}
+  double lap() {
+    synchronize_device(device_);
+    const clock::time_point now = clock::now();
+    const double s = std::chrono::duration<double>(now - lap_).count();
+    lap_ = now;
+    return s;
+  }
+  double total() const { return std::chrono::duration<double>(lap_ - start_).count(); }
+
+ private:
+  using clock = std::chrono::steady_clock;
+  Device device_;
+  clock::time_point start_, lap_;
+};
+
 template <class Strategy>
 class Trainer {
  public:
@@ -208,11 +227,6 @@ class Trainer {
   }
 
  private:
-  using clock = std::chrono::steady_clock;
-  static double seconds(clock::time_point a, clock::time_point b) {
-    return std::chrono::duration<double>(b - a).count();
-  }
-
   // Every option the trainer reads, checked before anything is built.
   void check_options() const {
     const int W = comm_.size();
@@ -261,28 +275,22 @@ class Trainer {
 
   // ---- one step ----------------------------------------------------------
 
+  // The seven phases (see the top of the file).
   StepReport train_step(int64_t step) {
     StepMetrics m;
+    Stopwatch watch(device_);
     reset_peak_memory_stats(device_);
-    const auto start = clock::now();
-    Rollout r = rollout(step);  // 1
-    const auto rollout_end = clock::now();
-    score(r);                               // 2
-    advantages(r);                          // 3
-    std::vector<MicroBatch> mbs = pack(r);  // 4
-    train(mbs, step, m);                    // 5
-    synchronize_device(device_);            // the phase timings are of finished work
-    const auto train_end = clock::now();
-    sync_engine(step + 1);  // 6
-    synchronize_device(device_);
-    const auto sync_end = clock::now();
-    m.samples = int64_t(r.responses.size());
-    for (float x : r.rewards) m.reward += x;
-    m.peak_memory_bytes = memory_stats(device_).peak_bytes;
-    m.rollout_seconds = seconds(start, rollout_end);
-    m.train_seconds = seconds(rollout_end, train_end);
-    m.sync_seconds = seconds(train_end, sync_end);
-    return log_step(step, m, start);  // 7
+    Rollout r = rollout(step);
+    m.rollout_seconds = watch.lap();
+    score(r, m);
+    advantages(r);
+    std::vector<MicroBatch> mbs = pack(r);
+    train(mbs, step, m);
+    m.train_seconds = watch.lap();
+    sync_engine(step + 1);
+    m.sync_seconds = watch.lap();
+    m.step_seconds = watch.total();
+    return log_step(step, m);
   }
 
   // 1. This rank's prompts (every rank draws the step's whole batch in the
@@ -316,7 +324,7 @@ class Trainer {
   }
 
   // 2. Rewards: the task's verifier, or the user's function for a dataset.
-  void score(Rollout& r) {
+  void score(Rollout& r, StepMetrics& m) {
     const std::size_t n = std::size_t(o_.samples_per_prompt);
     r.rewards.resize(r.responses.size());
     for (std::size_t s = 0; s < r.responses.size(); ++s) {
@@ -324,7 +332,9 @@ class Trainer {
       const std::vector<int32_t>& response = r.responses[s].tokens;
       r.rewards[s] = float(dataset_ ? user_reward(prompt, response, (*dataset_)[r.dataset_rows[s / n]].label)
                                     : task_->reward(prompt, response));
+      m.reward += r.rewards[s];
     }
+    m.samples = int64_t(r.responses.size());
   }
 
   enum class AdvantageKind { grpo, dr_grpo, reinforce_pp, reinforce_pp_baseline };
@@ -553,8 +563,8 @@ class Trainer {
   }
 
   // 7. The step's metrics over every rank; rank 0 writes them.
-  StepReport log_step(int64_t step, StepMetrics& m, clock::time_point start) {
-    m.step_seconds = seconds(start, clock::now());
+  StepReport log_step(int64_t step, StepMetrics& m) {
+    m.peak_memory_bytes = memory_stats(device_).peak_bytes;
     m.reduce(comm_);
     const io::Scalars s = m.scalars();
     const auto value = [&](std::string_view key) {

@@ -4,8 +4,9 @@
 //   main.cpp        options, devices and launch (this file)
 //   trainer.hpp     one rank's training loop
 //   token_data.hpp  token files -> documents -> training sequences; synthetic data
-//   checkpoint.hpp  sharded train-state checkpoints and the Hugging Face export
-//   launcher.hpp    torchrun / mpirun / srun detection
+//   checkpoint.hpp  sharded train-state checkpoints
+// and from the library the launch of the ranks (slime/comm/launch.hpp) and
+// the Hugging Face export (slime/parallel/export_hf.hpp).
 //
 // Runs:
 //   sft_qwen3                                  synthetic data, built-in tiny model,
@@ -24,9 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "launcher.hpp"
-#include "slime/comm/local_comm.hpp"
-#include "slime/comm/nccl_comm.hpp"
+#include "slime/comm/launch.hpp"
 #include "slime/core/device.hpp"
 #include "slime/nn/config.hpp"
 #include "token_data.hpp"
@@ -39,52 +38,14 @@ using sft::RunResult;
 using sft::TokenDataset;
 using sft::TrainOptions;
 
-// How the ranks run: threads of this process (LocalComm on the CPU, NCCL with
-// one GPU each), or this process as one rank of a torchrun / mpirun / srun
-// job (NcclComm::from_env).
-struct Launch {
-  bool cuda = false;
-  bool multi_process = false;
-  int ranks = 1;
-};
-
-Launch choose_launch(const std::string& device, int ranks) {
-  const sft::LauncherInfo process = sft::launcher_info();
-  const int gpus = slime::cuda_device_count();
-  Launch l;
-  l.cuda = device == "cuda" || (device == "auto" && gpus > 0);
-  sft::require(!l.cuda || slime::built_with_cuda(), "--device cuda, but slime was built without CUDA");
-  sft::require(!l.cuda || gpus > 0, "--device cuda, but no CUDA device is visible");
-  l.multi_process = process.world_size > 1;
-  if (l.multi_process) {
-    sft::require(
-        l.cuda, "started as rank ", process.rank, " of ", process.world_size, " processes by ", process.launcher,
-        ", which needs --device cuda (one GPU per process); CPU ranks run as threads of one process (--ranks)");
-    l.ranks = process.world_size;
-  } else {
-    sft::require(!l.cuda || ranks <= gpus, "--ranks ", ranks, " needs ", ranks, " GPUs (one per rank), ", gpus,
-                 " visible");
-    l.ranks = ranks;
-  }
-  return l;
-}
-
-// Runs one training run on every rank; returns rank 0's result.
-RunResult run(const Launch& l, const TrainOptions& o, const TokenDataset& data, const slime::nn::Qwen3Config& config) {
-  RunResult result;
-  auto rank_fn = [&](slime::comm::Comm& comm) {
-    RunResult r = sft::train_rank(comm, o, data, config);
-    if (comm.rank() == 0) result = std::move(r);
-  };
-  if (l.multi_process) {
-    const std::unique_ptr<slime::comm::NcclComm> comm = slime::comm::NcclComm::from_env();
-    rank_fn(*comm);
-  } else if (l.cuda) {
-    slime::comm::run_nccl_ranks(l.ranks, rank_fn);
-  } else {
-    slime::comm::run_local_ranks(l.ranks, rank_fn);
-  }
-  return result;
+// Runs one training run on every rank (slime/comm/launch.hpp: threads of
+// this process, LocalComm on the CPU or NCCL with one GPU each, or this
+// process as one rank of a torchrun / mpirun / srun job); returns rank 0's
+// result (empty in the other processes of a job).
+RunResult run(const slime::comm::Launch& l, const TrainOptions& o, const TokenDataset& data,
+              const slime::nn::Qwen3Config& config) {
+  return slime::comm::run_ranks(l, [&](slime::comm::Comm& comm) { return sft::train_rank(comm, o, data, config); })
+      .value_or(RunResult{});
 }
 
 // A directory for this run's scratch files, removed at exit.
@@ -131,10 +92,10 @@ bool report_loss_drop(const RunResult& r, double factor) {
 // steps k + 1 .. steps of (3) must equal those of (1): bit for bit on the CPU
 // (LocalComm and the CPU kernels are deterministic), to 1e-5 relative on
 // GPUs. The loss of (1) must also fall (first vs last quarter of the steps).
-int verify_resume(const Launch& l, const TrainOptions& o, const TokenDataset& data,
+int verify_resume(const slime::comm::Launch& l, const TrainOptions& o, const TokenDataset& data,
                   const slime::nn::Qwen3Config& config, const fs::path& scratch) {
   sft::require(o.steps >= 2, "--verify-resume needs --steps >= 2, got ", o.steps);
-  sft::require(!l.multi_process,
+  sft::require(l.mode != slime::comm::LaunchMode::processes,
                "--verify-resume runs its ranks as threads of one process; start it without a launcher");
   const int64_t k = o.steps / 2;
   fmt::print("verify-resume 1/3: {} uninterrupted steps\n", o.steps);
@@ -161,7 +122,7 @@ int verify_resume(const Launch& l, const TrainOptions& o, const TokenDataset& da
   resumed.resume = true;
   const RunResult c = run(l, resumed, data, config);
 
-  const double tolerance = l.cuda ? 1e-5 : 0.0;
+  const double tolerance = l.cuda() ? 1e-5 : 0.0;
   bool same = c.first_step == k + 1 && c.losses.size() == std::size_t(o.steps - k);
   for (std::size_t i = 0; same && i < c.losses.size(); ++i) {
     const auto [step, loss] = c.losses[i];
@@ -172,7 +133,7 @@ int verify_resume(const Launch& l, const TrainOptions& o, const TokenDataset& da
     same = same && ok;
   }
   fmt::print("resume: {} ({})\n", same ? "OK" : "MISMATCH",
-             l.cuda ? "criterion: within 1e-5 relative" : "criterion: equal bit for bit");
+             l.cuda() ? "criterion: within 1e-5 relative" : "criterion: equal bit for bit");
   const bool fell = report_loss_drop(a, 0.8);
   return same && fell ? 0 : 1;
 }
@@ -273,7 +234,7 @@ int main(int argc, char** argv) {
     if (!o.model.empty())
       sft::require(fs::is_directory(o.model), "--model: '", o.model, "' is not a directory (expected a Hugging Face ",
                    "model directory with config.json and safetensors)");
-    const Launch launch = choose_launch(device, ranks);
+    const slime::comm::Launch launch = slime::comm::plan_launch({.device = device, .ranks = ranks});
 
     // The model's architecture, and the data (checked against its vocabulary).
     std::optional<slime::nn::Qwen3Config> hf_config;
@@ -308,7 +269,7 @@ int main(int argc, char** argv) {
 
     if (verify) return verify_resume(launch, o, data, config, scratch.path());
     const RunResult result = run(launch, o, data, config);
-    if (!launch.multi_process || sft::launcher_info().rank == 0) report_loss_drop(result, 1.0);
+    if (launch.has_rank_zero()) report_loss_drop(result, 1.0);
     return 0;
   } catch (const slime::Error& e) {
     fmt::print(stderr, "error: {}\n", e.message());

@@ -45,6 +45,7 @@
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/optim/lr_schedule.hpp"
+#include "slime/parallel/export_hf.hpp"
 #include "slime/parallel/sharded.hpp"
 #include "token_data.hpp"
 
@@ -301,7 +302,7 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
   if (progress) progress->finish();
 
   if (!o.export_hf.empty() && step == o.steps) {
-    export_hf(sh, comm, o.export_hf, sh.module().config());
+    parallel::save_hf(sh, comm, sh.module().config(), o.export_hf);  // fp32 master weights
     if (lead && !o.quiet) fmt::print("exported the model to '{}' (Hugging Face format, fp32)\n", o.export_hf);
   }
   return result;
