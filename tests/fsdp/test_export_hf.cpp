@@ -1,8 +1,8 @@
 // parallel::save_hf: a tiny Qwen3 and Qwen3-MoE sharded over 2 LocalComm
 // ranks (every strategy; the MoE also with expert parallelism 2, each rank
-// holding half the experts) exported as a Hugging Face directory that
-// nn::load_hf reads back equal to the unsharded model (bit for bit in f32;
-// in bf16 equal to the rounded values), one tensor per expert.
+// holding half the experts, and offloaded) exported as a Hugging Face
+// directory that nn::load_hf reads back equal to the unsharded model (bit for
+// bit in f32; in bf16 equal to the rounded values), one tensor per expert.
 #include <catch2/catch_test_macros.hpp>
 
 #include <filesystem>
@@ -74,9 +74,10 @@ Params hf_parameters(const fs::path& dir) {
 }
 
 // Exports the model of `config` (the values of make_model) sharded with
-// Strategy over 2 ranks, the experts split over ep ranks, into `dir`.
+// Strategy over 2 ranks, the experts split over ep ranks, into `dir`
+// (offloaded first: the export gathers from the host masters).
 template <class Strategy>
-void export_sharded(const nn::Qwen3Config& config, int ep, DType dtype, const fs::path& dir) {
+void export_sharded(const nn::Qwen3Config& config, int ep, DType dtype, const fs::path& dir, bool offloaded = false) {
   comm::run_local_ranks(2, [&](comm::Comm& comm) {
     comm::Mesh mesh(comm, {.dp_replicate = 1, .dp_shard = 2 / ep, .cp = 1, .ep = ep});
     std::unique_ptr<parallel::ExpertParallel<>> experts;
@@ -95,6 +96,7 @@ void export_sharded(const nn::Qwen3Config& config, int ep, DType dtype, const fs
       }
     });
     parallel::Sharded<nn::Qwen3Model, Strategy> sharded(std::move(model), mesh);
+    if (offloaded) sharded.offload();
     parallel::save_hf(sharded, comm, config, dir, {.dtype = dtype, .ep = experts.get()});
   });
 }
@@ -138,7 +140,7 @@ TEST_CASE("save_hf: a sharded Qwen3-MoE, with and without expert parallelism, ho
   for (int ep : {1, 2}) {
     INFO("ep " << ep);
     TempDir tmp("moe_ep" + std::to_string(ep));
-    export_sharded<parallel::FullShard>(config, ep, DType::f32, tmp.path / "hf");
+    export_sharded<parallel::FullShard>(config, ep, DType::f32, tmp.path / "hf", /*offloaded=*/ep == 2);
     const Params got = hf_parameters(tmp.path / "hf");
     CHECK(got.size() == want.size());
     CHECK(got == want);
