@@ -182,8 +182,8 @@ PY
 # Every policy loss and advantage estimator runs from the command line, and
 # the older spelling --advantage gspo is --loss gspo with GRPO advantages.
 for args in "--loss gspo" "--loss cispo" "--loss ppo --eps-clip-c 3 --loss-agg seq_mean_token_mean" \
-  "--advantage dr-grpo --loss-agg seq_mean_token_sum" "--advantage reinforce++" "--advantage reinforce++-baseline" \
-  "--advantage gspo"; do
+  "--advantage dr-grpo --loss-agg seq_mean_token_sum" "--advantage reinforce++ --gamma 0.9" \
+  "--advantage reinforce++-baseline --kl-coef 0.05 --unbiased-kl" "--advantage gspo"; do
   name=$(echo "$args" | tr -c 'a-z0-9+\n' '_')
   # shellcheck disable=SC2086
   "$bin" --short --device cpu --ranks 2 $args --out "$dir/objective_$name" --no-export --no-tensorboard > /dev/null

@@ -39,6 +39,7 @@ struct Options {
   std::string mis_mode = "truncate";  // truncate | clip | mask
   double is_low = 0, is_high = 2;
   std::string kl_type = "k3";  // k1 | k2 | k3
+  bool unbiased_kl = false;    // KL x exp(lp - old)
   double kl_coef = 0;
   double entropy_coef = 0;
   // Optimisation.
@@ -132,6 +133,7 @@ struct Options {
     app.add_option("--kl-type", kl_type, "KL estimator to the reference: k1 | k2 | k3")
         ->capture_default_str()
         ->group(g);
+    app.add_flag("--unbiased-kl", unbiased_kl, "KL term times the ratio exp(lp - old)")->group(g);
     app.add_option("--kl-coef", kl_coef, "KL coefficient (0: no reference model)")->capture_default_str()->group(g);
     app.add_option("--entropy-coef", entropy_coef, "entropy bonus coefficient")->capture_default_str()->group(g);
     g = "Optimisation";

@@ -537,6 +537,7 @@ class Trainer {
     c.kl_estimator = parse_choice<rl::KlEstimator>(
         "--kl-type", o.kl_type,
         {{"k1", rl::KlEstimator::k1}, {"k2", rl::KlEstimator::k2}, {"k3", rl::KlEstimator::k3}});
+    c.unbiased_kl = o.unbiased_kl;
     return c;
   }
 
