@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -38,6 +39,13 @@ struct AuxLoss {
   // sparse layers, undefined for dense ones. Empty when nothing was computed.
   std::vector<Tensor> dlogits;
 };
+
+// Sums the MoE aux loss statistics (ops::router_aux_stats, f32 [2E + 1], in
+// place) over the ranks whose tokens make up the batch, so that the loss and
+// the gradients are those of the whole batch; empty: this rank's tokens are
+// the batch. parallel::Sharded passes an all_reduce over its data-parallel
+// ranks.
+using AuxStatsReduce = std::function<void(const Tensor& stats, const Stream& stream)>;
 
 // The calls of a causal LM the loss needs (Qwen3Model, Sharded<Qwen3Model>).
 template <class LM>

@@ -278,9 +278,13 @@ class Qwen3Model {
   // gives value 0 and no gradients. Runs on the model's device (the layers'
   // probs and indices copied into one [L·T, E] / [L·T, k] buffer; the
   // gradients are row views of one [L·T, E] f32 tensor) and reads the loss
-  // back (a host synchronisation).
-  AuxLoss aux_loss_and_grad(const Context& ctx, std::optional<double> scale = std::nullopt,
-                            const Stream& stream = {}) const {
+  // back (a host synchronisation). With `reduce` (the batch's tokens spread
+  // over ranks) the statistics of every rank's rows are summed first, so the
+  // loss and the gradients of this rank's rows are those of the whole batch
+  // (ops::router_aux_stats; equal to the unsplit batch's to f32 rounding of
+  // the probability sums).
+  AuxLoss aux_loss_and_grad(const Context& ctx, std::optional<double> scale = std::nullopt, const Stream& stream = {},
+                            const AuxStatsReduce& reduce = {}) const {
     check_context(ctx, "aux_loss_and_grad");
     AuxLoss aux;
     aux.scale = scale.value_or(config_.router_aux_loss_coef);
@@ -300,9 +304,17 @@ class Qwen3Model {
       indices.slice_rows(int64_t(l) * T, T).copy_from(m.indices, stream);
     }
     Tensor loss = Tensor::empty({1}, DType::f32, dev, stream);
-    ops::router_aux_loss_forward(probs, indices, loss, stream);
     Tensor dlogits = Tensor::empty({rows, E}, DType::f32, dev, stream);
-    ops::router_aux_loss_backward(probs, indices, float(aux.scale), dlogits, /*accumulate=*/false, stream);
+    if (reduce) {
+      Tensor stats = Tensor::empty({ops::router_aux_stats_size(E)}, DType::f32, dev, stream);
+      ops::router_aux_stats(probs, indices, stats, /*accumulate=*/false, stream);
+      reduce(stats, stream);
+      ops::router_aux_loss_from_stats(stats, E, loss, stream);
+      ops::router_aux_loss_backward_from_stats(probs, stats, float(aux.scale), dlogits, /*accumulate=*/false, stream);
+    } else {
+      ops::router_aux_loss_forward(probs, indices, loss, stream);
+      ops::router_aux_loss_backward(probs, indices, float(aux.scale), dlogits, /*accumulate=*/false, stream);
+    }
     aux.dlogits.resize(layers_.size());
     for (std::size_t l = 0; l < sparse.size(); ++l)
       aux.dlogits[std::size_t(sparse[l])] = dlogits.slice_rows(int64_t(l) * T, T);

@@ -403,17 +403,39 @@ class Sharded {
 
   // The module's MoE load-balancing loss of the forward that filled ctx and
   // its router-logit gradients (nn::Qwen3Model::aux_loss_and_grad; no
-  // parameter is read), for backward(ctx, d, stream, aux).
+  // parameter is read), for backward(ctx, d, stream, aux). The loss is the
+  // one of the whole data-parallel batch (the statistics of every rank's
+  // tokens are all-reduced over the dense shard and replicate groups, which
+  // together hold every token once), so with gradient_reduce = sum the
+  // reduced gradients are the unsharded model's; with avg the scale is
+  // multiplied by the data-parallel ranks to undo the division. One rank:
+  // the module's own call, bit for bit.
   nn::AuxLoss aux_loss_and_grad(const Context& ctx, std::optional<double> scale = std::nullopt,
                                 const Stream& stream = {}) requires requires(const Module& m) {
-    m.aux_loss_and_grad(ctx, scale, stream);
+    m.aux_loss_and_grad(ctx, scale, stream, nn::AuxStatsReduce{});
   }
   {
     check_onloaded("aux_loss_and_grad");
-    return module_->aux_loss_and_grad(ctx, scale, compute_stream(stream));
+    const Stream s = compute_stream(stream);
+    const int ranks = shard_world() * replicate_world();
+    if (ranks == 1) return module_->aux_loss_and_grad(ctx, scale, s);
+    const bool avg = options_.gradient_reduce == comm::ReduceOp::avg;
+    if (avg) scale = scale.value_or(module_->config().router_aux_loss_coef) * double(ranks);
+    nn::AuxStatsReduce reduce = [this](const Tensor& stats, const Stream& on) {
+      Tensor t = stats;
+      if (shard_comm_) shard_comm_->all_reduce(t, comm::ReduceOp::sum, on);
+      if (replicate_comm_) replicate_comm_->all_reduce(t, comm::ReduceOp::sum, on);
+    };
+    nn::AuxLoss aux = module_->aux_loss_and_grad(ctx, scale, s, reduce);
+    if (avg) aux.scale /= double(ranks);
+    return aux;
   }
 
-  Tensor logits(const Tensor& hidden, const Stream& stream = {}) {
+  // The head calls exist when the module has them (a causal LM).
+  Tensor logits(const Tensor& hidden, const Stream& stream = {}) requires requires(Module& m) {
+    m.logits(hidden, stream);
+  }
+  {
     check_onloaded("logits");
     check_lm_head("logits");
     const Stream s = compute_stream(stream);
@@ -422,7 +444,10 @@ class Sharded {
   }
 
   ops::TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& targets, float temperature = 1.f,
-                                    const Stream& stream = {}) {
+                                    const Stream& stream = {}) requires requires(Module& m) {
+    m.token_logprobs(hidden, targets, temperature, stream);
+  }
+  {
     check_onloaded("token_logprobs");
     check_lm_head("token_logprobs");
     const Stream s = compute_stream(stream);
@@ -432,7 +457,10 @@ class Sharded {
 
   Tensor token_logprobs_backward(const Tensor& hidden, const Tensor& targets, float temperature,
                                  const ops::TokenLogprobs& fwd, const Tensor& grad_logprobs, const Tensor& grad_entropy,
-                                 const Stream& stream = {}) {
+                                 const Stream& stream = {}) requires requires(Module& m) {
+    m.token_logprobs_backward(hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, stream);
+  }
+  {
     check_onloaded("token_logprobs_backward");
     check_lm_head("token_logprobs_backward");
     const Stream s = compute_stream(stream);
@@ -446,12 +474,13 @@ class Sharded {
   // model config's output_router_logits), one backward pass.
   nn::LossResult loss_and_backward(const nn::PackedBatch& batch, const Tensor& targets, float temperature = 1.f,
                                    std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
-                                   std::optional<bool> with_aux_loss = std::nullopt) {
+                                   std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module> {
     return loss_and_backward(batch, targets, Tensor{}, temperature, normalizer, stream, with_aux_loss);
   }
   nn::LossResult loss_and_backward(const nn::PackedBatch& batch, const Tensor& targets, const Tensor& loss_weights,
                                    float temperature = 1.f, std::optional<double> normalizer = std::nullopt,
-                                   const Stream& stream = {}, std::optional<bool> with_aux_loss = std::nullopt) {
+                                   const Stream& stream = {},
+                                   std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module> {
     check_onloaded("loss_and_backward");
     const Stream s = compute_stream(stream);
     bool aux = with_aux_loss.value_or(false);
@@ -587,18 +616,20 @@ class Sharded {
   // [E_local, ...]; every rank takes part in both kinds, so calling it for
   // every name of parameter_names() on every rank is always right).
   Tensor gather_parameter(std::string_view name, const Stream& stream = {}) {
-    const Stream s = compute_stream(stream);
     const auto [u, i] = find(name);
-    const FlatShardEntry& e = units_[u].layout.entries()[i];
-    Tensor piece = units_[u].master.view(e.shard_offset, Shape{e.piece});
-    if (piece.device() != device_) piece = piece.to(device_, s);  // offloaded master: via the device
-    Tensor all = Tensor::empty({e.piece * units_[u].layout.world()}, master_dtype_, device_, s);
-    if (units_[u].shard) {
-      units_[u].shard->all_gather(piece, all, s);
-    } else {
-      all.copy_from(piece, s);
-    }
-    return all.view(0, e.shape);
+    return gather_piece(units_[u].master, u, i, master_dtype_, compute_stream(stream));
+  }
+
+  // The full fp32 reduced gradient of one parameter (the sum over the
+  // micro-batches since zero_grad, as the optimizer sees it), gathered as
+  // gather_parameter (collective over the same group, same rules). Call it
+  // after the step's last backward.
+  Tensor gather_gradient(std::string_view name, const Stream& stream = {}) {
+    check_onloaded("gather_gradient");
+    const Stream s = compute_stream(stream);
+    wait_for_reductions(s);
+    const auto [u, i] = find(name);
+    return gather_piece(units_[u].grad_shard, u, i, DType::f32, s);
   }
 
   // Sets one parameter from its full value (any dtype ops::cast takes, the
@@ -651,8 +682,9 @@ class Sharded {
     void forward_begin(std::size_t u) {
       self.gather_for_use(u, stream);
       if (self.options_.prefetch) {
+        // After the last unit: the LM head's (token_logprobs comes next), if any.
         const std::size_t next = u + 1 < self.units_.size() ? u + 1 : self.lm_head_unit_;
-        self.issue_gather(next);
+        if (next < self.units_.size()) self.issue_gather(next);
       }
     }
     void forward_end(std::size_t u) {
@@ -857,6 +889,21 @@ class Sharded {
       g.expert_norm = &mesh.comm(Axis::ep);
     }
     return g;
+  }
+
+  // Parameter i of unit u whole from every shard group rank's piece of
+  // `flat` (a master or grad shard of that unit).
+  Tensor gather_piece(const Tensor& flat, std::size_t u, std::size_t i, DType dtype, const Stream& s) {
+    const FlatShardEntry& e = units_[u].layout.entries()[i];
+    Tensor piece = flat.view(e.shard_offset, Shape{e.piece});
+    if (piece.device() != device_) piece = piece.to(device_, s);  // offloaded master: via the device
+    Tensor all = Tensor::empty({e.piece * units_[u].layout.world()}, dtype, device_, s);
+    if (units_[u].shard) {
+      units_[u].shard->all_gather(piece, all, s);
+    } else {
+      all.copy_from(piece, s);
+    }
+    return all.view(0, e.shape);
   }
 
   // This rank's index in unit u's shard group.
