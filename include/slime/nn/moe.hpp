@@ -226,7 +226,7 @@ struct SparseMoeBlock {
                 dy.str());
     const Device dev = options.device;
     const DType dt = options.dtype;
-    const int64_t T = ctx.x.size(0), H = config.hidden_size, E = config.num_experts, k = config.num_experts_per_tok;
+    const int64_t T = ctx.x.size(0), H = config.hidden_size, E = config.num_experts;
     if (aux_dlogits.defined()) {
       SLIME_CHECK(
           aux_dlogits.dtype() == DType::f32 && aux_dlogits.shape() == Shape({T, E}) && aux_dlogits.device() == dev,
