@@ -1,8 +1,9 @@
 // bench/bench_moe_permute.cu: the MoE token layout ops of slime (router
-// forward, moe_build_layout, permute / unpermute forward and backward), bf16
-// activations, one GPU, beside a device-to-device copy of the same traffic.
+// forward, moe_build_layout, permute / unpermute forward and backward, and
+// the auxiliary loss's statistics and backward from them), bf16 activations,
+// one GPU, beside a device-to-device copy of the same traffic.
 // The PyTorch baseline is bench/torch_moe_permute.py (same names, same byte
-// counts).
+// counts; the two aux rows have no baseline there yet).
 //
 // Configs: T = 32768 tokens, hidden H = 2048, E = 128 experts, k = 8
 // (Qwen3-30B-A3B's router), and T = 16384, E = 64, k = 8; N = T k grouped
@@ -21,6 +22,10 @@
 //                   weights (2Tk)                                    6TE + 6Tk
 //   layout          read indices (4N); write row_to_copy, copy_to_row (8N)
 //                                                                    12N (+ 8E)
+//   aux_stats       read probs (4TE), indices (4Tk); write stats (8E + 4)
+//                                                                    4TE + 4Tk (+ 8E)
+//   aux_bwd         router_aux_loss_backward_from_stats: read probs (4TE);
+//                   write f32 dlogits (4TE)                          8TE
 // GBps = bytes / time (1e9 bytes/s). Every op also times a copy of bytes / 2
 // (so the same traffic) and reports copy_GBps and frac_of_copy = GBps /
 // copy_GBps. Operands of the permute ops are >= 64 MiB, above the 50 MB L2.
@@ -270,6 +275,62 @@ Case router_case(const Config& cfg, const Stream& s) {
   return c;
 }
 
+// router_aux_stats (backward = false) or router_aux_loss_backward_from_stats
+// from those stats, on router_forward's probs and uniform ids.
+Case aux_case(const Config& cfg, const Stream& s, bool backward) {
+  auto b = make_bufs(cfg, s);
+  const int64_t T = cfg.T, E = cfg.E, k = cfg.k;
+  ops::router_forward(b->logits, true, b->probs, b->idx, b->w, s);
+  auto ws = std::make_shared<Tensor>(
+      Tensor::empty({int64_t(ops::router_aux_loss_workspace_bytes(T, E))}, DType::u8, gpu(), s));
+  auto stats = std::make_shared<Tensor>(Tensor::empty({ops::router_aux_stats_size(E)}, DType::f32, gpu(), s));
+  auto dlogits = std::make_shared<Tensor>(Tensor::empty({T, E}, DType::f32, gpu(), s));
+  ops::router_aux_stats(b->probs, b->gidx, *stats, false, s, *ws);
+  Case c;
+  if (!backward) {
+    c.bytes = 4.0 * double(T * E) + 4.0 * double(T * k) + 8.0 * double(E);
+    c.launch = [b, ws, stats](const Stream& st) { ops::router_aux_stats(b->probs, b->gidx, *stats, false, st, *ws); };
+    c.check = [b, stats, T, E, launch = c.launch](const Stream& st) -> std::string {
+      stats->fill_bytes_(0xff, st);
+      launch(st);
+      const std::vector<float> got = stats->to_vector<float>(st), p = b->probs.to_vector<float>(st);
+      for (int64_t e = 0; e < E; ++e) {
+        double ps = 0;
+        for (int64_t t = 0; t < T; ++t) ps += p[std::size_t(t * E + e)];
+        if (got[std::size_t(e)] != float(std::count(b->ids.begin(), b->ids.end(), int32_t(e))) ||
+            !(std::fabs(got[std::size_t(E + e)] - ps) <= 1e-5 * ps))
+          return slime::detail::concat("correctness check failed: aux_stats expert ", e);
+      }
+      if (got[std::size_t(2 * E)] != float(T)) return "correctness check failed: aux_stats row count";
+      return "";
+    };
+  } else {
+    c.bytes = 8.0 * double(T * E);
+    c.launch = [b, stats, dlogits](const Stream& st) {
+      ops::router_aux_loss_backward_from_stats(b->probs, *stats, 0.01f, *dlogits, false, st);
+    };
+    c.check = [b, stats, dlogits, E, launch = c.launch](const Stream& st) -> std::string {
+      dlogits->fill_bytes_(0xff, st);
+      launch(st);
+      const std::vector<float> sv = stats->to_vector<float>(st);
+      // p (g − ⟨p, g⟩) cancels where the load is balanced: compare to g's scale.
+      const float n = sv[std::size_t(2 * E)];
+      const float gmax = 0.01f * float(E) * *std::max_element(sv.begin(), sv.begin() + E) / (n * n);
+      for (int64_t t : kCheckTokens) {
+        const std::vector<float> p = b->probs.slice_rows(t, 1).to_vector<float>(st),
+                                 got = dlogits->slice_rows(t, 1).to_vector<float>(st);
+        std::vector<float> want(static_cast<std::size_t>(E));
+        ops::cpu::router_aux_loss_backward_from_stats(p.data(), 1, E, sv.data(), 0.01f, want.data());
+        for (int64_t e = 0; e < E; ++e)
+          if (!(std::fabs(got[std::size_t(e)] - want[std::size_t(e)]) <= 1e-5f * p[std::size_t(e)] * gmax))
+            return fail("aux_bwd", t);
+      }
+      return "";
+    };
+  }
+  return c;
+}
+
 Case layout_case(const Config& cfg, const Stream& s) {
   auto b = make_bufs(cfg, s);
   const int64_t N = cfg.T * cfg.k, E = cfg.E;
@@ -308,6 +369,8 @@ int main(int argc, char** argv) {
     add_benchmark("moe_unpermute_bwd/" + n, [cfg](const Stream& s) { return unpermute_case(cfg, s, true); });
     add_benchmark("moe_router_fwd/" + n, [cfg](const Stream& s) { return router_case(cfg, s); });
     add_benchmark("moe_layout/" + n, [cfg](const Stream& s) { return layout_case(cfg, s); });
+    add_benchmark("moe_router_aux_stats/" + n, [cfg](const Stream& s) { return aux_case(cfg, s, false); });
+    add_benchmark("moe_router_aux_bwd/" + n, [cfg](const Stream& s) { return aux_case(cfg, s, true); });
   }
   return slime::bench::run_benchmarks(argc, argv);
 }

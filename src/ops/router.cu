@@ -13,9 +13,14 @@
 //                            integer atomics: exact) and, for the forward, the
 //                            chunk's per-expert column sums of probs (fixed
 //                            order) into the workspace.
-//   aux_final_kernel         one block: sums the chunk sums in chunk order,
-//                            then the E terms in a fixed tree: the loss.
+//   aux_flatten_kernel       one block: the chunk sums in chunk order into
+//                            router_aux_stats's flat [2E + 1] f32 stats.
+//   aux_final_kernel         one block: the E terms in a fixed tree: the loss.
 //   aux_backward_kernel      one warp per row: p (g − ⟨p, g⟩), g from counts.
+// The last two read the statistics through a source (WorkspaceAuxStats: the
+// workspace's integer counts and chunk sums; FlatAuxStats: the flat stats)
+// whose values are the same floats for the same rows, so the _from_stats
+// calls give router_aux_loss_forward / _backward's bits.
 // No float atomics anywhere: every result is the same run to run.
 //
 // Bytes (the two numbers; FLOPs are negligible): forward reads logits (T E
@@ -226,6 +231,33 @@ AuxLayout aux_layout(int64_t rows, int64_t experts) {
   return l;
 }
 
+// The statistics as the loss kernels read them (count(e), prob_sum(e) and
+// rows_f(), as floats), from one of two sources.
+// The workspace of one call: integer counts [E] and chunk sums [chunks, E]
+// (prob_sum sums the chunks in order; sums is null where unused).
+struct WorkspaceAuxStats {
+  const int32_t* counts;
+  const float* sums;
+  int64_t chunks, rows;
+  int E;
+  __device__ float count(int e) const { return float(counts[e]); }
+  __device__ float prob_sum(int e) const {
+    float ps = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) ps += sums[c * E + e];
+    return ps;
+  }
+  __device__ float rows_f() const { return float(rows); }
+};
+
+// router_aux_stats's [2E + 1] f32 vector (possibly summed over ranks).
+struct FlatAuxStats {
+  const float* stats;
+  int E;
+  __device__ float count(int e) const { return stats[e]; }
+  __device__ float prob_sum(int e) const { return stats[E + e]; }
+  __device__ float rows_f() const { return stats[2 * E]; }
+};
+
 // Block c: the ids of rows [c R, min((c + 1) R, rows)) counted into counts
 // (integer atomics: exact); with sums, the chunk's column sums of probs into
 // sums[c, :] (row lanes in a fixed order).
@@ -260,15 +292,26 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// stats [2E + 1] = (counts, prob sums, rows) of the workspace (= or += with accumulate).
 __global__ void __launch_bounds__(kThreads)
-    aux_final_kernel(const int32_t* counts, const float* sums, int64_t chunks, int64_t rows, int E, float* loss) {
+    aux_flatten_kernel(const WorkspaceAuxStats s, float* stats, bool accumulate) {
+  const int E = s.E;
+  for (int i = threadIdx.x; i <= 2 * E; i += kThreads) {
+    const float v = i < E ? s.count(i) : i < 2 * E ? s.prob_sum(i - E) : s.rows_f();
+    stats[i] = accumulate ? stats[i] + v : v;
+  }
+}
+
+// *loss = E · Σ_e (count_e / N) · (prob_sum_e / N); 0 for N = 0.
+template <class Stats>
+__global__ void __launch_bounds__(kThreads) aux_final_kernel(const Stats s, float* loss) {
   __shared__ float scratch[kWarps];
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, E = s.E;
+  const float n = s.rows_f();
   float term = 0.f;
   if (tid < E) {
-    float ps = 0.f;
-    for (int64_t c = 0; c < chunks; ++c) ps += sums[c * E + tid];
-    term = (float(counts[tid]) / float(rows)) * (ps / float(rows));
+    const float ps = s.prob_sum(tid);
+    term = (s.count(tid) / n) * (ps / n);
   }
   term = warp_sum(term);
   if (tid % 32 == 0) scratch[tid / 32] = term;
@@ -276,21 +319,23 @@ __global__ void __launch_bounds__(kThreads)
   if (tid < 32) {
     float v = tid < kWarps ? scratch[tid] : 0.f;
     v = warp_sum(v);
-    if (tid == 0) *loss = float(E) * v;
+    if (tid == 0) *loss = n == 0.f ? 0.f : float(E) * v;
   }
 }
 
-template <class TG, int kItems>
-__global__ void __launch_bounds__(kThreads) aux_backward_kernel(const float* probs, const int32_t* counts, int64_t rows,
-                                                                int E, float dloss, TG* dlogits, bool accumulate) {
+// dlogits of `rows` rows of probs; g from the statistics of N >= rows rows.
+template <class TG, int kItems, class Stats>
+__global__ void __launch_bounds__(kThreads)
+    aux_backward_kernel(const float* probs, const Stats s, int64_t rows, float dloss, TG* dlogits, bool accumulate) {
   const WarpRows w = warp_rows();
-  const int lane = w.lane;
+  const int lane = w.lane, E = s.E;
+  const float n = s.rows_f();
   float g[kItems];
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
     const int e = lane + 32 * i;
     // The CPU's expression, in its order.
-    g[i] = e < E ? dloss * float(E) * float(counts[e]) / (float(rows) * float(rows)) : 0.f;
+    g[i] = e < E && n != 0.f ? dloss * float(E) * s.count(e) / (n * n) : 0.f;
   }
   for (int64_t t = w.first; t < rows; t += w.stride) {
     const float* pr = probs + t * E;
@@ -349,14 +394,29 @@ AuxLayout checked_aux_layout(const RouterAuxParams& p) {
   return l;
 }
 
-// counts [E] (workspace) = the ids' histogram; sums [chunks, E] with the column sums when with_sums.
-void aux_stats(const RouterAuxParams& p, const AuxLayout& l, bool with_sums, StreamHandle stream) {
+// counts [E] (workspace) = the ids' histogram; sums [chunks, E] with the
+// column sums when with_sums. Returns them as the loss kernels read them.
+WorkspaceAuxStats aux_stats(const RouterAuxParams& p, const AuxLayout& l, bool with_sums, StreamHandle stream) {
   auto* base = static_cast<char*>(p.workspace);
   auto* counts = reinterpret_cast<int32_t*>(base);
+  float* sums = with_sums ? reinterpret_cast<float*>(base + l.sums_offset) : nullptr;
   SLIME_CUDA_CHECK(cudaMemsetAsync(counts, 0, std::size_t(p.experts) * 4, stream));
-  aux_stats_kernel<<<unsigned(l.chunks), kThreads, 0, stream>>>(
-      p.probs, p.indices, p.rows, int(p.experts), int(p.k), l.chunk_rows, counts,
-      with_sums ? reinterpret_cast<float*>(base + l.sums_offset) : nullptr);
+  aux_stats_kernel<<<unsigned(l.chunks), kThreads, 0, stream>>>(p.probs, p.indices, p.rows, int(p.experts), int(p.k),
+                                                                l.chunk_rows, counts, sums);
+  SLIME_CUDA_CHECK_LAUNCH();
+  return {counts, sums, l.chunks, p.rows, int(p.experts)};
+}
+
+template <class Stats>
+void aux_backward(const float* probs, const Stats& s, int64_t rows, float dloss, void* dlogits, DType dlogits_dtype,
+                  bool accumulate, StreamHandle stream) {
+  with_items(s.E, [&](auto items) {
+    with_type(dlogits_dtype, "dlogits", [&](auto gt) {
+      using TG = decltype(gt);
+      aux_backward_kernel<TG, decltype(items)::value, Stats><<<warp_row_blocks(rows), kThreads, 0, stream>>>(
+          probs, s, rows, dloss, static_cast<TG*>(dlogits), accumulate);
+    });
+  });
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
@@ -402,28 +462,43 @@ void router_aux_loss_forward(const RouterAuxParams& p, float* loss, StreamHandle
   }
   with_items(p.experts, [](auto) {});  // the range check
   const AuxLayout l = checked_aux_layout(p);
-  aux_stats(p, l, true, stream);
-  const auto* base = static_cast<const char*>(p.workspace);
-  aux_final_kernel<<<1, kThreads, 0, stream>>>(reinterpret_cast<const int32_t*>(base),
-                                               reinterpret_cast<const float*>(base + l.sums_offset), l.chunks, p.rows,
-                                               int(p.experts), loss);
+  const WorkspaceAuxStats s = aux_stats(p, l, true, stream);
+  aux_final_kernel<<<1, kThreads, 0, stream>>>(s, loss);
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
 void router_aux_loss_backward(const RouterAuxParams& p, float dloss, void* dlogits, DType dlogits_dtype,
                               bool accumulate, StreamHandle stream) {
   if (p.rows == 0) return;
+  with_items(p.experts, [](auto) {});  // the range check, before any launch
+  with_type(dlogits_dtype, "dlogits", [](auto) {});
   const AuxLayout l = checked_aux_layout(p);
-  with_items(p.experts, [&](auto items) {
-    aux_stats(p, l, false, stream);
-    with_type(dlogits_dtype, "dlogits", [&](auto gt) {
-      using TG = decltype(gt);
-      aux_backward_kernel<TG, decltype(items)::value><<<warp_row_blocks(p.rows), kThreads, 0, stream>>>(
-          p.probs, static_cast<const int32_t*>(p.workspace), p.rows, int(p.experts), dloss, static_cast<TG*>(dlogits),
-          accumulate);
-    });
-  });
+  const WorkspaceAuxStats s = aux_stats(p, l, false, stream);
+  aux_backward(p.probs, s, p.rows, dloss, dlogits, dlogits_dtype, accumulate, stream);
+}
+
+void router_aux_stats(const RouterAuxParams& p, float* stats, bool accumulate, StreamHandle stream) {
+  with_items(p.experts, [](auto) {});  // the range check
+  if (p.rows == 0) {
+    if (!accumulate) SLIME_CUDA_CHECK(cudaMemsetAsync(stats, 0, std::size_t(2 * p.experts + 1) * 4, stream));
+    return;
+  }
+  const AuxLayout l = checked_aux_layout(p);
+  const WorkspaceAuxStats s = aux_stats(p, l, true, stream);
+  aux_flatten_kernel<<<1, kThreads, 0, stream>>>(s, stats, accumulate);
   SLIME_CUDA_CHECK_LAUNCH();
+}
+
+void router_aux_loss_from_stats(const float* stats, int64_t experts, float* loss, StreamHandle stream) {
+  with_items(experts, [](auto) {});  // the range check
+  aux_final_kernel<<<1, kThreads, 0, stream>>>(FlatAuxStats{stats, int(experts)}, loss);
+  SLIME_CUDA_CHECK_LAUNCH();
+}
+
+void router_aux_loss_backward_from_stats(const RouterAuxFromStatsParams& p, StreamHandle stream) {
+  if (p.rows == 0) return;
+  aux_backward(p.probs, FlatAuxStats{p.stats, int(p.experts)}, p.rows, p.dloss, p.dlogits, p.dlogits_dtype,
+               p.accumulate, stream);
 }
 
 }  // namespace slime::ops::cuda

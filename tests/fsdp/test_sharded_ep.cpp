@@ -10,6 +10,8 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -330,4 +332,168 @@ TEST_CASE("Sharded with ExpertParallel: bad input gives clear errors", "[fsdp][m
   });
   for (const std::string& e : plain_comm) CHECK_THAT(e, ContainsSubstring("build Sharded from a comm::Mesh"));
   for (const std::string& e : wrong_degree) CHECK_THAT(e, ContainsSubstring("degree 4 but the mesh has ep = 2"));
+}
+
+// ---- the MoE load-balancing loss under Sharded -----------------------------
+//
+// With output_router_logits the loss includes router_aux_loss_coef · aux over
+// the router outputs of the whole data-parallel batch (Sharded all-reduces
+// the per-expert statistics), so the loss and every reduced gradient equal
+// the unsharded model's on the ranks' batches concatenated (one backward).
+
+namespace {
+
+constexpr double kAuxCoef = 0.5;  // large, so the aux gradient is a visible part of the router's
+
+nn::Qwen3Config aux_config() {
+  nn::Qwen3Config c = moe_config();
+  c.output_router_logits = true;
+  c.router_aux_loss_coef = kAuxCoef;
+  return c;
+}
+
+// The model with `ep`'s slice of the experts (every expert without one),
+// values those of full_model() (the same seed and draw for each config).
+nn::Qwen3Model aux_model(ExpertParallel<>* ep) {
+  nn::Qwen3Model m(aux_config(), {}, ep);
+  nn::init_parameters(m, 7, 0.2f);
+  return m;
+}
+
+struct AuxResult {
+  double loss = 0, aux = 0;  // the step's loss (CE summed over ranks + coef · aux) and aux
+  Params grads;              // every gradient by name (expert stacks whole)
+};
+
+AuxResult aux_reference(int world) {
+  nn::Qwen3Model model = aux_model(nullptr);
+  nn::zero_grad(model);
+  const MicroBatch mb = concatenated(0, world, 0);
+  const nn::LossResult r = model.loss_and_backward(mb.batch, mb.targets, 1.f, double(global_tokens(world, 0)));
+  AuxResult out{r.loss, r.aux_loss, {}};
+  model.for_each_parameter([&](nn::Parameter& p) { out.grads[p.name] = p.grad.to_vector<float>(); });
+  return out;
+}
+
+template <class S>
+AuxResult aux_sharded(const comm::MeshShape& shape, int world, comm::ReduceOp reduce = comm::ReduceOp::sum) {
+  AuxResult out;
+  std::mutex mutex;
+  comm::run_local_ranks(world, [&](comm::Comm& w) {
+    const comm::Mesh mesh(w, shape);
+    ExpertParallel<> ep(mesh, kExperts);
+    parallel::ShardedOptions opt;
+    opt.gradient_reduce = reduce;
+    Sharded<nn::Qwen3Model, S> sh(aux_model(&ep), mesh, opt);
+    const int nep = mesh.size(comm::Axis::ep);
+    sh.zero_grad();
+    double norm = double(global_tokens(world, 0));
+    if (reduce == comm::ReduceOp::avg) norm /= world;
+    const MicroBatch mb = micro_batch(0, w.rank(), 0, kVocab);
+    const nn::LossResult r = sh.loss_and_backward(mb.batch, mb.targets, 1.f, norm);
+    {
+      std::lock_guard lock(mutex);
+      // Each rank's loss is its CE share + coef · (the same global aux).
+      const double ce =
+          reduce == comm::ReduceOp::avg ? (r.loss - kAuxCoef * r.aux_loss) / world : r.loss - kAuxCoef * r.aux_loss;
+      out.loss += ce;
+      if (w.rank() == 0) {
+        out.aux = r.aux_loss;
+        out.loss += kAuxCoef * r.aux_loss;
+      }
+    }
+    const bool first_dp = mesh.coord(comm::Axis::dp_replicate) == 0 && mesh.coord(comm::Axis::dp_shard) == 0;
+    for (const std::string& name : sh.parameter_names()) {
+      const std::vector<float> v = sh.gather_gradient(name).template to_vector<float>();  // collective
+      if (sh.is_expert_parameter(name)) {
+        if (!first_dp) continue;
+        const int64_t local = kExperts / nep, per = int64_t(v.size()) / local;
+        std::lock_guard lock(mutex);
+        std::vector<float>& full = out.grads[name];
+        full.resize(std::size_t(kExperts * per));
+        std::memcpy(full.data() + sh.parameter_first_expert(name) * per, v.data(), v.size() * sizeof(float));
+      } else if (w.rank() == 0) {
+        std::lock_guard lock(mutex);
+        out.grads[name] = v;
+      }
+    }
+  });
+  thread_checks().require_none();
+  return out;
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
+}  // namespace
+
+TEST_CASE("Sharded: the MoE aux loss and its gradients equal the unsharded model's, 1-4 ranks, with and without EP",
+          "[fsdp][moe][ep][aux]") {
+  struct Case {
+    int dp, ep;
+  };
+  for (const Case c : {Case{1, 1}, Case{2, 1}, Case{3, 1}, Case{4, 1}, Case{1, 2}, Case{2, 2}, Case{1, 4}}) {
+    INFO("dp " << c.dp << " x ep " << c.ep);
+    const int world = c.dp * c.ep;
+    const comm::MeshShape shape{.dp_replicate = 1, .dp_shard = c.dp, .cp = 1, .ep = c.ep};
+    const AuxResult want = aux_reference(world);
+    CHECK(want.aux > 0);
+    for (int strategy = 0; strategy < 2; ++strategy) {
+      INFO((strategy == 0 ? "FullShard" : "NoShard"));
+      if (strategy == 1 && c.dp > 1 && c.ep > 1) continue;  // NoShard replicates over one axis
+      const AuxResult got = strategy == 0 ? aux_sharded<FullShard>(shape, world) : aux_sharded<NoShard>(shape, world);
+      INFO("aux " << got.aux << " vs " << want.aux << ", loss " << got.loss << " vs " << want.loss);
+      CHECK(rel(got.aux, want.aux) <= 1e-6);
+      CHECK(rel(got.loss, want.loss) <= 1e-6);
+      const double d = max_rel_diff(got.grads, want.grads);
+      INFO("max relative gradient difference " << d);
+      CHECK(d <= 1e-6);
+    }
+  }
+  SECTION("avg reduction: the aux scale undoes the division by the ranks") {
+    const comm::MeshShape shape{.dp_replicate = 1, .dp_shard = 2, .cp = 1, .ep = 2};
+    const AuxResult want = aux_reference(4);
+    const AuxResult got = aux_sharded<FullShard>(shape, 4, comm::ReduceOp::avg);
+    CHECK(rel(got.aux, want.aux) <= 1e-6);
+    // avg divides every gradient by the 4 ranks: the CE normaliser was divided
+    // by 4 too and the aux scale multiplied by 4, so the result is the sum's.
+    CHECK(max_rel_diff(got.grads, want.grads) <= 1e-6);
+  }
+}
+
+TEST_CASE("Sharded at degree 1 is the identity, aux loss included (bitwise)", "[fsdp][moe][aux]") {
+  nn::Qwen3Model plain = aux_model(nullptr);
+  const MicroBatch mb = micro_batch(0, 0, 0, kVocab);
+  nn::zero_grad(plain);
+  const nn::LossResult want = plain.loss_and_backward(mb.batch, mb.targets);
+  Params want_grads;
+  plain.for_each_parameter([&](nn::Parameter& p) { want_grads[p.name] = p.grad.to_vector<float>(); });
+  REQUIRE(want.aux_loss > 0);
+  for (int strategy = 0; strategy < 2; ++strategy) {
+    INFO((strategy == 0 ? "FullShard" : "NoShard"));
+    nn::LossResult got;
+    Params got_grads;
+    comm::run_local_ranks(1, [&](comm::Comm& w) {
+      auto run = [&](auto& sh) {
+        sh.zero_grad();
+        got = sh.loss_and_backward(mb.batch, mb.targets);
+        for (const std::string& name : sh.parameter_names())
+          got_grads[name] = sh.gather_gradient(name).template to_vector<float>();
+      };
+      if (strategy == 0) {
+        Sharded<nn::Qwen3Model, FullShard> sh(aux_model(nullptr), w);
+        run(sh);
+      } else {
+        Sharded<nn::Qwen3Model, NoShard> sh(aux_model(nullptr), w);
+        run(sh);
+      }
+    });
+    CHECK(got.loss == want.loss);
+    CHECK(got.aux_loss == want.aux_loss);
+    CHECK(got.logprobs.to_vector<float>() == want.logprobs.to_vector<float>());
+    REQUIRE(got_grads.size() == want_grads.size());
+    for (const auto& [name, g] : want_grads) {
+      INFO(name);
+      CHECK(got_grads.at(name) == g);
+    }
+  }
 }

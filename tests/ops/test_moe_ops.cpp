@@ -2,8 +2,10 @@
 // GEMM): finite differences of every backward in double through the
 // templates; a whole MoE block (router → permute → grouped GEMM gate/up →
 // SwiGLU → grouped GEMM down → unpermute, plus the auxiliary loss) against a
-// naive per-token loop and by finite differences; the Tensor API against the
-// templates; skewed routing, empty experts, k = 1..8, E = 1, T = 1, odd sizes;
+// naive per-token loop and by finite differences; the auxiliary loss from
+// statistics summed over 1..4 row shards against the unsharded loss and
+// gradient, and by finite differences; the Tensor API against the templates;
+// skewed routing, empty experts, k = 1..8, E = 1, T = 1, odd sizes;
 // determinism; bad-input errors. The GPU paths are tested against these in
 // test_moe_ops_gpu.cu.
 #include <catch2/catch_test_macros.hpp>
@@ -363,6 +365,213 @@ TEST_CASE("aux loss matches transformers' formula and finite differences", "[moe
     }
   }
   CHECK(ops::cpu::router_aux_loss_forward<double>(nullptr, nullptr, 0, 4, 2) == 0.0);
+}
+
+namespace {
+
+// Rows [0, N) in `chunks` uneven contiguous pieces, [N i² / c², N (i + 1)² / c²)
+// for i < c (some empty when N is small), as data-parallel ranks might hold them.
+std::vector<std::pair<int64_t, int64_t>> split_rows(int64_t N, int64_t chunks) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t a = N * i * i / (chunks * chunks), b = N * (i + 1) * (i + 1) / (chunks * chunks);
+    out.emplace_back(a, b - a);
+  }
+  return out;
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+Tensor nan_filled(const Shape& shape, DType dt) {
+  Tensor t = Tensor::empty(shape, dt);
+  t.fill_bytes_(0xff);
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("aux loss from stats summed over row shards equals the unsharded loss and gradient", "[moe][aux][dp]") {
+  uint64_t seed = 900;
+  const float dloss = 0.37f;
+  for (int64_t E : {3, 5, 60})
+    for (int64_t k : {int64_t(1), int64_t(2), E == 3 ? int64_t(3) : int64_t(4)})
+      for (int64_t N : {0, 1, 37}) {
+        const Tensor logits = f32_tensor(random_doubles(N * E, ++seed, 3.0), {N, E});
+        const Tensor probs = Tensor::empty({N, E}, DType::f32), idx = Tensor::empty({N, k}, DType::i32);
+        ops::router_forward(logits, false, probs, idx, Tensor::empty({N, k}, DType::f32));
+        const Tensor loss = Tensor::empty({1}, DType::f32);
+        ops::router_aux_loss_forward(probs, idx, loss);
+        const float want = *loss.data<float>();
+        // The stats of all rows against their definition.
+        const Tensor all = nan_filled({2 * E + 1}, DType::f32);
+        ops::router_aux_stats(probs, idx, all);
+        {
+          const std::vector<float> s = all.to_vector<float>();
+          const Vec p = to_double(probs);
+          const IVec ids = idx.to_vector<int32_t>();
+          for (int64_t e = 0; e < E; ++e) {
+            double ps = 0;
+            for (int64_t t = 0; t < N; ++t) ps += p[std::size_t(t * E + e)];
+            REQUIRE(s[std::size_t(e)] == float(std::count(ids.begin(), ids.end(), int32_t(e))));
+            REQUIRE(std::fabs(s[std::size_t(E + e)] - ps) <= 1e-6 * std::max(1.0, ps));
+          }
+          REQUIRE(s[std::size_t(2 * E)] == float(N));
+        }
+        for (DType gdt : {DType::f32, DType::bf16})
+          for (int64_t chunks = 1; chunks <= 4; ++chunks) {
+            INFO("E " << E << " k " << k << " N " << N << " chunks " << chunks << " dlogits " << gdt);
+            const auto pieces = split_rows(N, chunks);
+            // Per-shard stats summed as all_reduce(sum) would, and the same through accumulate.
+            Tensor summed = Tensor::zeros({2 * E + 1}, DType::f32);
+            const Tensor accumulated = nan_filled({2 * E + 1}, DType::f32);
+            for (std::size_t c = 0; c < pieces.size(); ++c) {
+              const auto [a, n] = pieces[c];
+              const Tensor st = nan_filled({2 * E + 1}, DType::f32);
+              ops::router_aux_stats(probs.slice_rows(a, n), idx.slice_rows(a, n), st);
+              for (int64_t i = 0; i < st.numel(); ++i) summed.data<float>()[i] += st.data<float>()[i];
+              ops::router_aux_stats(probs.slice_rows(a, n), idx.slice_rows(a, n), accumulated, /*accumulate=*/c > 0);
+            }
+            CHECK(same_bits(summed, accumulated));
+            // Counts and N are exact: equal to the unsharded stats.
+            for (int64_t i = 0; i < E; ++i) CHECK(summed.data<float>()[i] == all.data<float>()[i]);
+            CHECK(summed.data<float>()[2 * E] == float(N));
+            const Tensor got = nan_filled({1}, DType::f32);
+            ops::router_aux_loss_from_stats(summed, E, got);
+            const float l = *got.data<float>();
+            CHECK(std::fabs(l - want) <= 1e-6 * std::fabs(want));
+            if (chunks == 1) CHECK(same_bits(got, loss));  // router_aux_loss_forward is stats + from_stats
+            // The gradient rows, shard by shard, written and accumulated: the
+            // same bits as the unsharded backward (g depends only on the
+            // exact counts and N).
+            for (bool accumulate : {false, true}) {
+              Tensor base = nan_filled({N, E}, gdt);
+              if (accumulate) fill_normal(base, ++seed, 0, 0.f, 1e-3f);
+              const Tensor ref = base.clone(), d = base.clone();
+              ops::router_aux_loss_backward(probs, idx, dloss, ref, accumulate);
+              for (const auto& [a, n] : pieces)
+                ops::router_aux_loss_backward_from_stats(probs.slice_rows(a, n), summed, dloss, d.slice_rows(a, n),
+                                                         accumulate);
+              CHECK(same_bits(d, ref));
+            }
+          }
+      }
+  // Zero rows: zero stats, loss 0.
+  const Tensor st = nan_filled({7}, DType::f32), loss = nan_filled({1}, DType::f32);
+  ops::router_aux_stats(Tensor::empty({0, 3}, DType::f32), Tensor::empty({0, 2}, DType::i32), st);
+  CHECK(st.to_vector<float>() == std::vector<float>(7, 0.f));
+  ops::router_aux_loss_from_stats(st, 3, loss);
+  CHECK(*loss.data<float>() == 0.f);
+}
+
+TEST_CASE("aux loss over row shards matches finite differences of the unsharded loss", "[moe][aux][dp][fd]") {
+  for (auto [N, E, k] : {std::tuple{37, 5, 2}, std::tuple{9, 3, 1}, std::tuple{13, 60, 4}, std::tuple{1, 5, 3}})
+    for (int64_t chunks = 1; chunks <= 4; ++chunks) {
+      Vec logits = random_doubles(N * E, 700 + uint64_t(N * 13 + E + k), 2.0);  // the same for every split
+      const Routed base = route(logits, N, E, k, false);
+      const auto pieces = split_rows(N, chunks);
+      const auto size = static_cast<std::size_t>(2 * E + 1);
+      // Σ over the shards of their stats, as all_reduce(sum).
+      auto summed_stats = [&](const Routed& r) {
+        Vec total(size, 0.0), st(size);
+        for (const auto& [a, n] : pieces) {
+          ops::cpu::router_aux_stats(r.probs.data() + a * E, r.indices.data() + a * k, n, E, k, st.data());
+          for (std::size_t i = 0; i < size; ++i) total[i] += st[i];
+        }
+        return total;
+      };
+      const Vec stats = summed_stats(base);
+      const double loss = ops::cpu::router_aux_loss_from_stats(stats.data(), E);
+      INFO("N " << N << " E " << E << " k " << k << " chunks " << chunks);
+      CHECK(std::fabs(loss - ops::cpu::router_aux_loss_forward(base.probs.data(), base.indices.data(), N, E, k)) <
+            1e-12);
+      auto f = [&] {
+        const Routed r = route(logits, N, E, k, false);
+        REQUIRE(r.indices == base.indices);
+        const Vec s = summed_stats(r);
+        return 0.7 * ops::cpu::router_aux_loss_from_stats(s.data(), E);
+      };
+      Vec dlogits(static_cast<std::size_t>(N * E), std::nan(""));
+      for (const auto& [a, n] : pieces)
+        ops::cpu::router_aux_loss_backward_from_stats(base.probs.data() + a * E, n, E, stats.data(), 0.7,
+                                                      dlogits.data() + a * E);
+      const Vec fd = finite_diff(logits, f, 1e-5);  // eps as the unsharded test's
+      double mx = 0;
+      for (double v : fd) mx = std::max(mx, std::fabs(v));
+      INFO("max |fd| " << mx);
+      CHECK(rel_error(dlogits, fd) < 1e-8);
+    }
+}
+
+TEST_CASE("aux loss stats functions reject bad input with clear errors", "[moe][aux][errors]") {
+  const Tensor probs = Tensor::zeros({4, 3}, DType::f32), idx = Tensor::zeros({4, 2}, DType::i32);
+  const Tensor stats = Tensor::zeros({7}, DType::f32), loss = Tensor::empty({1}, DType::f32);
+  const Tensor dlogits = Tensor::empty({4, 3}, DType::f32);
+  // router_aux_stats: shapes and dtypes of probs, indices and stats.
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, idx, Tensor::zeros({6}, DType::f32)),
+                    ContainsSubstring("stats must be f32 [2 * experts + 1] = [7] for 3 experts"));
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, idx, Tensor::zeros({7}, DType::i32)),
+                    ContainsSubstring("stats must be f32 [2 * experts + 1] = [7]"));
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, idx, Tensor::zeros({1, 7}, DType::f32)),
+                    ContainsSubstring("stats must be f32 [2 * experts + 1] = [7]"));
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, idx, Tensor()), ContainsSubstring("stats is undefined"));
+  CHECK_THROWS_WITH(ops::router_aux_stats(Tensor::zeros({4, 3}, DType::bf16), idx, stats),
+                    ContainsSubstring("router_aux_stats: probs must be f32"));
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, Tensor::zeros({3, 2}, DType::i32), stats),
+                    ContainsSubstring("indices must have 4 rows"));
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, Tensor::zeros({4, 2}, DType::i64), stats),
+                    ContainsSubstring("indices must be i32"));
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, Tensor::zeros({4, 4}, DType::i32), stats), ContainsSubstring("k = 4"));
+  CHECK_THROWS_WITH(
+      ops::router_aux_stats(probs.slice_rows(0, 1), Tensor::from_vector(std::vector<int32_t>{0, 3}, {1, 2}), stats),
+      ContainsSubstring("indices[0, 1] = 3 is not an expert id"));
+  // Counts and N must stay exact in f32 (below 2^24); nothing is written on error.
+  CHECK_THROWS_WITH(
+      ops::router_aux_stats(Tensor::empty({ops::kRouterAuxStatsExact, 1}, DType::f32),
+                            Tensor::empty({ops::kRouterAuxStatsExact, 1}, DType::i32), Tensor::zeros({3}, DType::f32)),
+      ContainsSubstring("16777216 rows") && ContainsSubstring("below 2^24"));
+  {
+    Tensor near = Tensor::from_vector(std::vector<float>{16777215.f, 0.f, 0.f, 0.f, 0.f, 0.f, 1.f}, {7});
+    const Tensor keep = near.clone();
+    const Tensor row_ids = Tensor::from_vector(std::vector<int32_t>{0, 2}, {1, 2});  // one choice of expert 0
+    CHECK_THROWS_WITH(ops::router_aux_stats(probs.slice_rows(0, 1), row_ids, near, true),
+                      ContainsSubstring("stats[0] (a count) would reach 16777216 >= 2^24"));
+    CHECK(same_bits(near, keep));
+    near.data<float>()[0] = 0.f;
+    near.data<float>()[1] = 0.5f;
+    CHECK_THROWS_WITH(ops::router_aux_stats(probs.slice_rows(0, 1), row_ids, near, true),
+                      ContainsSubstring("stats[1] = 0.5 (a count) to accumulate into is not an integer"));
+  }
+  // router_aux_loss_from_stats: E, the stats' length, their values, loss.
+  CHECK_THROWS_WITH(ops::router_aux_loss_from_stats(stats, 0, loss), ContainsSubstring("needs at least one expert"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_from_stats(stats, 4, loss),
+                    ContainsSubstring("stats must be f32 [2 * experts + 1] = [9] for 4 experts"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_from_stats(stats, 3, Tensor::empty({2}, DType::f32)),
+                    ContainsSubstring("loss must be an f32 tensor of one element"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_from_stats(stats, 3, stats.view(6, {1})),
+                    ContainsSubstring("loss overlaps stats"));
+  // Stats averaged over 2 ranks instead of summed: a count of 2.5.
+  const Tensor averaged = Tensor::from_vector(std::vector<float>{2.5f, 1.f, 4.5f, 1.f, 1.f, 2.f, 4.f}, {7});
+  CHECK_THROWS_WITH(ops::router_aux_loss_from_stats(averaged, 3, loss),
+                    ContainsSubstring("stats[0] = 2.5 (a count) is not an integer in [0, 2^24)") &&
+                        ContainsSubstring("summed (not averaged)"));
+  const Tensor bad_n = Tensor::from_vector(std::vector<float>{2.f, 1.f, 5.f, 1.f, 1.f, 2.f, -4.f}, {7});
+  CHECK_THROWS_WITH(ops::router_aux_loss_from_stats(bad_n, 3, loss),
+                    ContainsSubstring("stats[6] = -4 (a row count N) is not an integer"));
+  // router_aux_loss_backward_from_stats: probs, stats, dlogits, and N >= the call's rows.
+  CHECK_THROWS_WITH(ops::router_aux_loss_backward_from_stats(Tensor::zeros({12}, DType::f32), stats, 1.f, dlogits),
+                    ContainsSubstring("probs must be 2-D"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_backward_from_stats(probs, Tensor::zeros({9}, DType::f32), 1.f, dlogits),
+                    ContainsSubstring("stats must be f32 [2 * experts + 1] = [7] for 3 experts"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_backward_from_stats(probs, stats, 1.f, Tensor::empty({4, 2}, DType::f32)),
+                    ContainsSubstring("dlogits must have shape (4, 3)"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_backward_from_stats(probs, stats, 1.f, Tensor::empty({4, 3}, DType::i32)),
+                    ContainsSubstring("dlogits must be f32 or bf16"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_backward_from_stats(probs, stats.clone(), 1.f, dlogits),
+                    ContainsSubstring("stats[6] = N = 0 rows, fewer than the 4 rows of probs"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_backward_from_stats(probs, averaged, 1.f, dlogits),
+                    ContainsSubstring("summed (not averaged)"));
 }
 
 TEST_CASE("layout groups copies by expert, stable by token and slot", "[moe][permute]") {

@@ -5,7 +5,9 @@
 // same experts, so most experts get none), outputs poisoned with NaN (0xff
 // bytes) before every kernel, misaligned views (the one-element kernels),
 // the accumulate flags, ids outside [0, E) on the GPU, determinism and a
-// steady state that allocates nothing.
+// steady state that allocates nothing. The auxiliary loss's stats path
+// (router_aux_stats, _from_stats) must equal the one-call ops bit for bit,
+// whole and over three row shards; its counts and N equal the CPU's exactly.
 //
 // Tolerances (‖gpu − ref‖ / ‖ref‖ over the whole output):
 //   bit for bit: the layout (the same stable sort), moe_permute_forward (a
@@ -31,6 +33,7 @@
 #include <limits>
 #include <numeric>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "slime/core/memory.hpp"
@@ -153,6 +156,13 @@ RouterOut run_router(const Tensor& logits, DType wdt, bool norm, int64_t k) {
   RouterOut o{poisoned({T, E}, DType::f32, d), poisoned({T, k}, DType::i32, d), poisoned({T, k}, wdt, d)};
   ops::router_forward(logits, norm, o.probs, o.indices, o.weights);
   return o;
+}
+
+// Auxiliary-loss inputs on the CPU: probs [N, E] from the CPU router on
+// random logits, ids [N, k] from routing() (not the probs' top-k).
+std::pair<Tensor, Tensor> aux_inputs(int64_t N, int64_t E, int64_t k, uint64_t& seed, bool skewed) {
+  const RouterOut r = run_router(randn({N, E}, DType::f32, cpu(), ++seed, 2.f), DType::f32, false, k);
+  return {r.probs, routing(N, E, k, ++seed, skewed)};
 }
 
 // GPU indices equal the CPU's except for near ties; returns the rows whose
@@ -278,13 +288,7 @@ TEST_CASE("router aux loss on the GPU matches the CPU, deterministically", "[moe
     for (int64_t N : {int64_t(1), int64_t(17), int64_t(577), int64_t(4099), int64_t(70001)})
       for (bool skewed : {false, true}) {
         if (N == 70001 && E != 128) continue;
-        Tensor probs_c = Tensor::empty({N, E}, DType::f32);
-        {
-          Tensor logits = randn({N, E}, DType::f32, cpu(), ++seed, 2.f);
-          Tensor w = Tensor::empty({N, k}, DType::f32), i = Tensor::empty({N, k}, DType::i32);
-          ops::router_forward(logits, false, probs_c, i, w);
-        }
-        const Tensor idx_c = routing(N, E, k, ++seed, skewed);
+        const auto [probs_c, idx_c] = aux_inputs(N, E, k, seed, skewed);
         const Tensor probs = probs_c.to(gpu()), idx = idx_c.to(gpu());
         INFO("N " << N << " E " << E << " k " << k << " skewed " << skewed);
         Tensor ref = Tensor::empty({1}, DType::f32);
@@ -327,6 +331,102 @@ TEST_CASE("router aux loss on the GPU matches the CPU, deterministically", "[moe
   // More than 256 experts is an error on the GPU.
   CHECK_THROWS_WITH(run_router(Tensor::zeros({2, 300}, DType::f32, gpu()), DType::f32, false, 2),
                     Catch::Matchers::ContainsSubstring("at most 256 experts"));
+}
+
+TEST_CASE("router aux stats, and the loss and backward from them, on the GPU match the CPU and the one-call ops",
+          "[moe][router][aux][gpu]") {
+  REQUIRE_GPU();
+  uint64_t seed = 3500;
+  const float dloss = 0.37f;
+  std::vector<std::tuple<int64_t, int64_t>> shapes = kRouterShapes;
+  shapes.insert(shapes.end(), {{3, 1}, {3, 2}, {5, 3}, {60, 4}});
+  for (auto [E, k] : shapes)
+    for (int64_t N : {int64_t(0), int64_t(1), int64_t(37), int64_t(577), int64_t(4099)})
+      for (bool skewed : {false, true}) {
+        const auto [probs_c, idx_c] = aux_inputs(N, E, k, seed, skewed);
+        const Tensor probs = probs_c.to(gpu()), idx = idx_c.to(gpu());
+        INFO("N " << N << " E " << E << " k " << k << " skewed " << skewed);
+        // Stats: counts and N exact, prob sums to fp32 rounding.
+        Tensor ref = Tensor::empty({2 * E + 1}, DType::f32);
+        ops::router_aux_stats(probs_c, idx_c, ref);
+        Tensor ws = Tensor::empty({int64_t(ops::router_aux_loss_workspace_bytes(N, E))}, DType::u8, gpu());
+        Tensor st = poisoned({2 * E + 1}, DType::f32, gpu());
+        ops::router_aux_stats(probs, idx, st, false, {}, ws);
+        const std::vector<float> sg = st.to(cpu()).to_vector<float>(), sc = ref.to_vector<float>();
+        for (int64_t e = 0; e < E; ++e) REQUIRE(sg[std::size_t(e)] == sc[std::size_t(e)]);
+        CHECK(sg[std::size_t(2 * E)] == float(N));
+        CHECK(rel_err(st.view(E, {E}), ref.view(E, {E})) <= kTolF32);
+        // The loss from the stats: the bits of router_aux_loss_forward, the CPU's value.
+        Tensor loss = poisoned({1}, DType::f32, gpu()), fwd = poisoned({1}, DType::f32, gpu());
+        ops::router_aux_loss_from_stats(st, E, loss);
+        ops::router_aux_loss_forward(probs, idx, fwd, {}, ws);
+        CHECK(same_bits(loss, fwd));
+        Tensor loss_c = Tensor::empty({1}, DType::f32);
+        ops::router_aux_loss_from_stats(ref, E, loss_c);
+        CHECK(rel_err(loss, loss_c) <= kTolF32);
+        // Three uneven shards [0, N/5), [N/5, N/5 + N/2), the rest: stats
+        // accumulated (as all_reduce(sum) would add them), loss to rounding,
+        // gradient rows the bits of the unsharded backward.
+        const int64_t a = N / 5, b = N / 5 + N / 2;
+        const std::vector<std::pair<int64_t, int64_t>> shards = {{0, a}, {a, b - a}, {b, N - b}};
+        Tensor summed = poisoned({2 * E + 1}, DType::f32, gpu());
+        for (std::size_t c = 0; c < shards.size(); ++c)
+          ops::router_aux_stats(probs.slice_rows(shards[c].first, shards[c].second),
+                                idx.slice_rows(shards[c].first, shards[c].second), summed, c > 0);
+        const std::vector<float> ss = summed.to(cpu()).to_vector<float>();
+        for (int64_t e = 0; e < E; ++e) REQUIRE(ss[std::size_t(e)] == sc[std::size_t(e)]);
+        CHECK(ss[std::size_t(2 * E)] == float(N));
+        Tensor sharded_loss = poisoned({1}, DType::f32, gpu());
+        ops::router_aux_loss_from_stats(summed, E, sharded_loss);
+        CHECK(rel_err(sharded_loss, loss_c) <= kTolF32);
+        for (DType gdt : {DType::f32, DType::bf16})
+          for (bool accumulate : {false, true}) {
+            INFO("dlogits " << gdt << " accumulate " << accumulate);
+            Tensor base = poisoned({N, E}, gdt, gpu());
+            if (accumulate) base = randn({N, E}, gdt, gpu(), ++seed, 1e-3f);
+            Tensor want = base.clone(), got = base.clone(), got_sharded = base.clone();
+            ops::router_aux_loss_backward(probs, idx, dloss, want, accumulate, {}, ws);
+            ops::router_aux_loss_backward_from_stats(probs, st, dloss, got, accumulate);
+            CHECK(same_bits(got, want));
+            for (const auto& [r0, n] : shards)
+              ops::router_aux_loss_backward_from_stats(probs.slice_rows(r0, n), summed, dloss,
+                                                       got_sharded.slice_rows(r0, n), accumulate);
+            CHECK(same_bits(got_sharded, want));
+            // Against the CPU reference from the CPU's stats.
+            Tensor cref = accumulate ? base.to(cpu()) : Tensor::empty({N, E}, gdt);
+            ops::router_aux_loss_backward_from_stats(probs_c, ref, dloss, cref, accumulate);
+            const double floor = 1e-6 * double(dloss) * double(E) / double(std::max<int64_t>(N, 1)) *
+                                 std::sqrt(double(std::max<int64_t>(N * E, 1)));
+            CHECK(rel_err_floor(got, cref, floor, tolerance(gdt)) <= tolerance(gdt));
+          }
+      }
+  // Zero rows write zero stats; with accumulate they leave the stats alone.
+  Tensor st = poisoned({17}, DType::f32, gpu());
+  ops::router_aux_stats(Tensor::empty({0, 8}, DType::f32, gpu()), Tensor::empty({0, 2}, DType::i32, gpu()), st);
+  CHECK(st.to(cpu()).to_vector<float>() == std::vector<float>(17, 0.f));
+  const std::vector<float> held(17, 3.f);
+  Tensor kept = Tensor::from_vector(held, {17}, gpu());
+  ops::router_aux_stats(Tensor::empty({0, 8}, DType::f32, gpu()), Tensor::empty({0, 2}, DType::i32, gpu()), kept, true);
+  CHECK(kept.to(cpu()).to_vector<float>() == held);
+  // Devices, sizes and the expert limit.
+  const Tensor probs = Tensor::zeros({5, 8}, DType::f32, gpu()), idx = Tensor::zeros({5, 2}, DType::i32, gpu());
+  using Catch::Matchers::ContainsSubstring;
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, idx, Tensor::zeros({17}, DType::f32)),
+                    ContainsSubstring("stats and probs are on different devices"));
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, idx, st, false, {}, Tensor::empty({4}, DType::u8, gpu())),
+                    ContainsSubstring("router_aux_loss_workspace_bytes"));
+  CHECK_THROWS_WITH(ops::router_aux_stats(probs, idx, Tensor::zeros({16}, DType::f32, gpu())),
+                    ContainsSubstring("stats must be f32 [2 * experts + 1] = [17]"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_from_stats(st, 8, Tensor::empty({1}, DType::f32)),
+                    ContainsSubstring("loss and stats are on different devices"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_backward_from_stats(probs, Tensor::zeros({17}, DType::f32), 1.f,
+                                                             Tensor::empty({5, 8}, DType::f32, gpu())),
+                    ContainsSubstring("stats and probs are on different devices"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_backward_from_stats(probs, st, 1.f, Tensor::empty({5, 8}, DType::f32)),
+                    ContainsSubstring("dlogits and probs are on different devices"));
+  CHECK_THROWS_WITH(ops::router_aux_loss_from_stats(Tensor::zeros({601}, DType::f32, gpu()), 300,
+                                                    Tensor::empty({1}, DType::f32, gpu())),
+                    ContainsSubstring("at most 256 experts"));
 }
 
 // ---------------------------------------------------------------- layout
@@ -512,6 +612,8 @@ TEST_CASE("moe GPU ops are deterministic and allocate nothing in the steady stat
   Tensor w = Tensor::empty({T, k}, DType::bf16, gpu(), s), dw = Tensor::empty({T, k}, DType::bf16, gpu(), s);
   Tensor dlogits = Tensor::empty({T, E}, DType::f32, gpu(), s), loss = Tensor::empty({1}, DType::f32, gpu(), s);
   Tensor ws = Tensor::empty({int64_t(ops::router_aux_loss_workspace_bytes(T, E))}, DType::u8, gpu(), s);
+  Tensor stats = Tensor::empty({ops::router_aux_stats_size(E)}, DType::f32, gpu(), s);
+  Tensor loss2 = Tensor::empty({1}, DType::f32, gpu(), s);
   Tensor xg = Tensor::empty({N, H}, DType::bf16, gpu(), s), dyg = Tensor::empty({N, H}, DType::bf16, gpu(), s);
   Tensor y = Tensor::empty({T, H}, DType::f32, gpu(), s), dx = Tensor::empty({T, H}, DType::f32, gpu(), s);
   ops::MoeLayout l = ops::MoeLayout::empty(T, k, E, gpu(), s);
@@ -527,17 +629,22 @@ TEST_CASE("moe GPU ops are deterministic and allocate nothing in the steady stat
     ops::moe_permute_backward(dyg, l, dx, false, s);
     ops::router_backward(probs, idx, dw, true, dlogits, false, s);
     ops::router_aux_loss_backward(probs, idx, 0.01f, dlogits, true, s, ws);
+    ops::router_aux_stats(probs, idx, stats, false, s, ws);  // the data-parallel form (no all_reduce here)
+    ops::router_aux_loss_from_stats(stats, E, loss2, s);
+    ops::router_aux_loss_backward_from_stats(probs, stats, 0.01f, dlogits, true, s);
   };
   step();
   s.synchronize();
-  const std::vector<Tensor> first = {probs.clone(), idx.clone(), w.clone(),  loss.clone(),   l.row_to_copy.clone(),
-                                     y.clone(),     dx.clone(),  dw.clone(), dlogits.clone()};
+  CHECK(same_bits(loss2, loss));
+  const std::vector<Tensor> first = {probs.clone(),         idx.clone(),   w.clone(),    loss.clone(),
+                                     l.row_to_copy.clone(), y.clone(),     dx.clone(),   dw.clone(),
+                                     dlogits.clone(),       stats.clone(), loss2.clone()};
   s.synchronize();
   const int64_t before = memory_stats(gpu()).allocations;
   for (int i = 0; i < 3; ++i) step();
   s.synchronize();
   CHECK(memory_stats(gpu()).allocations == before);
-  const std::vector<Tensor> again = {probs, idx, w, loss, l.row_to_copy, y, dx, dw, dlogits};
+  const std::vector<Tensor> again = {probs, idx, w, loss, l.row_to_copy, y, dx, dw, dlogits, stats, loss2};
   for (std::size_t i = 0; i < first.size(); ++i) {
     INFO("output " << i);
     CHECK(same_bits(again[i], first[i]));

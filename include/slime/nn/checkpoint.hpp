@@ -128,15 +128,16 @@ inline void load_hf_weights(Qwen3Model& model, const std::filesystem::path& dir)
 
 // Loads the Hugging Face checkpoint in `dir` (config.json plus
 // model.safetensors or a sharded index) as a Qwen3 or Qwen3-MoE model on
-// `device`, converting every tensor to `dtype`. `ep` (optional) is passed to
-// the model (its experts' slice is what this rank loads). Throws
+// `device`, converting every tensor to `dtype`. `dispatcher` (optional, e.g.
+// a parallel::ExpertParallel) is passed to the model (its experts' slice is
+// what this rank loads). Throws
 // slime::Error for a missing or unreadable config, and as load_hf_weights.
 inline Qwen3Model load_hf(const std::filesystem::path& dir, Device device = Device::cpu(), DType dtype = DType::f32,
-                          parallel::ExpertParallel<>* ep = nullptr) {
+                          DispatcherRef dispatcher = {}) {
   namespace fs = std::filesystem;
   std::error_code ec;
   SLIME_CHECK(fs::is_directory(dir, ec), "load_hf: checkpoint directory '", dir.string(), "' does not exist");
-  Qwen3Model model(Qwen3Config::from_file(dir / "config.json"), {device, dtype}, ep);
+  Qwen3Model model(Qwen3Config::from_file(dir / "config.json"), {device, dtype}, dispatcher);
   load_hf_weights(model, dir);
   return model;
 }

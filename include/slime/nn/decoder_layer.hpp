@@ -42,15 +42,15 @@ struct DecoderLayer {
         self_attn(prefix + ".self_attn", attn, opt),
         post_attention_layernorm(prefix + ".post_attention_layernorm", attn.hidden_size, attn.rms_norm_eps, opt),
         mlp(prefix + ".mlp", attn.hidden_size, intermediate_size, opt) {}
-  // A sparse (MoE) layer; `ep` (optional) places a slice of the experts on
-  // this rank (see SparseMoeBlock).
+  // A sparse (MoE) layer; `dispatcher` (optional) moves its tokens to the
+  // experts and may place a slice of them on this rank (see SparseMoeBlock).
   DecoderLayer(const std::string& prefix, const AttentionConfig& attn, const MoeBlockConfig& moe_config,
-               ModuleOptions opt, parallel::ExpertParallel<>* ep = nullptr)
+               ModuleOptions opt, DispatcherRef dispatcher = {})
       : options(opt),
         input_layernorm(prefix + ".input_layernorm", attn.hidden_size, attn.rms_norm_eps, opt),
         self_attn(prefix + ".self_attn", attn, opt),
         post_attention_layernorm(prefix + ".post_attention_layernorm", attn.hidden_size, attn.rms_norm_eps, opt),
-        moe(std::in_place, prefix + ".mlp", moe_config, opt, ep) {}
+        moe(std::in_place, prefix + ".mlp", moe_config, opt, dispatcher) {}
 
   bool is_sparse() const { return moe.has_value(); }
 

@@ -18,6 +18,7 @@
 //     bf16 (GPU); RMSNorm statistics, softmax, logits and gradients are fp32.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -106,6 +107,25 @@ inline const Tensor& scratch_bytes(Tensor& cache, std::size_t bytes, Device devi
   if (!cache.defined() || cache.nbytes() < bytes || cache.device() != device)
     cache = Tensor::empty({int64_t((bytes + 255) / 256 * 256)}, DType::u8, device, stream);
   return cache;
+}
+
+// A [rows, cols] view of `cache`, which is reallocated only when too small
+// (then to max(need, 1.5 x its size)) or of another dtype or device: buffers
+// that keep their capacity across steps, so a steady-state call allocates
+// nothing.
+inline Tensor rows_view(Tensor& cache, int64_t rows, int64_t cols, DType dtype, Device device, const Stream& stream) {
+  const int64_t need = rows * cols;
+  const bool same_kind = cache.defined() && cache.dtype() == dtype && cache.device() == device;
+  if (!same_kind || cache.numel() < need) {
+    const int64_t grown = same_kind ? cache.numel() + cache.numel() / 2 : 0;
+    cache = Tensor::empty(Shape{std::max(need, grown)}, dtype, device, stream);
+  }
+  return cache.view(0, Shape{rows, cols});
+}
+
+// A 1-D view of n elements of `cache` (as rows_view).
+inline Tensor vec_view(Tensor& cache, int64_t n, DType dtype, Device device, const Stream& stream) {
+  return rows_view(cache, n, 1, dtype, device, stream).reshape(Shape{n});
 }
 
 }  // namespace detail

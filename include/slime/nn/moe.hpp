@@ -1,6 +1,8 @@
 // slime/nn/moe.hpp: SparseMoeBlock, transformers' Qwen3MoeSparseMoeBlock (a
-// top-k softmax router over E SwiGLU experts), run locally or with expert
-// parallelism (parallel::ExpertParallel).
+// top-k softmax router over E SwiGLU experts). Its tokens reach the experts
+// through a TokenDispatcher (nn/token_dispatcher.hpp): LocalDispatcher by
+// default, or any other model of the concept (parallel::ExpertParallel for
+// expert parallelism) given at construction.
 //
 // Accumulation contract: parameter gradients accumulate (`+=`) into fp32
 // tensors (Parameter::grad); activation gradients are written (`=`).
@@ -16,9 +18,8 @@
 // Rounding differences from HF are the ops' (see ops/moe_permute.hpp and
 // ops/swiglu.hpp: one rounding per output instead of one per step). The
 // experts run on the grouped layout: rows grouped by expert, grouped GEMMs
-// for gate and up, SwiGLU, a grouped GEMM for down. Without expert
-// parallelism: layout → permute → experts → unpermute. With it: dispatch →
-// experts → combine, giving the same numbers (bitwise on the CPU when the
+// for gate and up, SwiGLU, a grouped GEMM for down: dispatch → experts → combine (locally: layout → permute →
+// experts → unpermute). Expert parallelism gives the same numbers (bitwise on the CPU when the
 // ranks' tokens, concatenated in ep-rank order, are the unsharded batch).
 //
 // Parameters (HF names; the experts stacked along dim 0, see nn::Parameter):
@@ -33,11 +34,11 @@
 //
 // Group sizes on the host (CUDA only): the grouped GEMMs take the cuBLAS
 // backend when they get the group offsets on the host (ops/grouped_gemm.hpp).
-// With expert parallelism of degree > 1 dispatch already has them
-// (DispatchHandle::local_counts()): free. Otherwise (no expert parallelism, or
-// degree 1), when `host_group_sizes` is on (the default), forward copies the
-// layout's offsets [E_local + 1] to the host once and synchronises the stream
-// (after queueing the permute, so the GPU stays busy while the host waits);
+// A dispatcher that exchanged counts (expert parallelism of degree > 1)
+// already has them (the handle's local_counts()): free. Otherwise, when
+// `host_group_sizes` is on (the default), forward copies the dispatch's
+// offsets [E_local + 1] to the host once and synchronises the stream (after
+// queueing the permute, so the GPU stays busy while the host waits);
 // with it off, the grouped GEMMs run the device-offset kernels and forward
 // never synchronises. backward reuses forward's host offsets (Context). The
 // CPU path is unchanged.
@@ -56,13 +57,13 @@
 #include <vector>
 
 #include "slime/nn/module.hpp"
+#include "slime/nn/token_dispatcher.hpp"
 #include "slime/ops/elementwise.hpp"
 #include "slime/ops/grouped_gemm.hpp"
 #include "slime/ops/linear.hpp"
 #include "slime/ops/moe_permute.hpp"
 #include "slime/ops/router.hpp"
 #include "slime/ops/swiglu.hpp"
-#include "slime/parallel/expert_parallel.hpp"
 
 namespace slime::nn {
 
@@ -79,18 +80,17 @@ struct SparseMoeBlock {
     Tensor weights;        // [T, k] module dtype
     Tensor x;              // [T, H] the input
     // The local experts' rows (R of them), grouped by local expert.
-    Tensor x_rows;                      // [R, H]
-    Tensor offsets;                     // i32 [E_local + 1]
-    Tensor gate, up, h;                 // [R, I]
-    Tensor y_rows;                      // [R, H] the experts' outputs
-    ops::MoeLayout layout;              // without expert parallelism
-    parallel::DispatchHandle dispatch;  // with expert parallelism
+    Tensor x_rows;                   // [R, H]
+    Tensor offsets;                  // i32 [E_local + 1]
+    Tensor gate, up, h;              // [R, I]
+    Tensor y_rows;                   // [R, H] the experts' outputs
+    LocalDispatcher::Handle local;   // the local dispatcher's (no dispatcher given)
+    DispatcherRef::Handle dispatch;  // the given dispatcher's
     // Host copy of `offsets` for the grouped GEMMs (CUDA); empty when unknown.
     std::vector<int32_t> host_offsets;
-    // Capacity of the tensors above (see parallel::detail::rows_view).
+    // Capacity of the tensors above (see detail::rows_view).
     struct Buffers {
-      Tensor logits, probs, indices, weights, x_rows, gate, up, h, y_rows;
-      Tensor counts, offsets, row_to_copy, copy_to_row;
+      Tensor logits, probs, indices, weights, gate, up, h, y_rows;
       Tensor host_offsets;  // pinned [E_local + 1] (CUDA): the copy of `offsets`
     } buffers;
   };
@@ -105,12 +105,11 @@ struct SparseMoeBlock {
   bool host_group_sizes = true;
 
   SparseMoeBlock() = default;
-  // `prefix` is the HF module path, e.g. "model.layers.0.mlp". With `ep`
-  // (which must outlive the block; it may serve every layer) this rank holds
-  // experts [ep->first_expert(), + ep->num_local_experts()).
-  SparseMoeBlock(const std::string& prefix, const MoeBlockConfig& cfg, ModuleOptions opt,
-                 parallel::ExpertParallel<>* ep = nullptr)
-      : options(opt), config(cfg), ep_(ep) {
+  // `prefix` is the HF module path, e.g. "model.layers.0.mlp". With a
+  // `dispatcher` (which must outlive the block; it may serve every layer)
+  // this rank holds experts [first_expert(), + num_local_experts()) of it.
+  SparseMoeBlock(const std::string& prefix, const MoeBlockConfig& cfg, ModuleOptions opt, DispatcherRef dispatcher = {})
+      : options(opt), config(cfg), dispatcher_(dispatcher), local_(cfg.num_experts, opt.device) {
     detail::check_module_options(opt, prefix);
     SLIME_CHECK(cfg.hidden_size > 0 && cfg.moe_intermediate_size > 0 && cfg.num_experts > 0, prefix,
                 ": hidden_size, moe_intermediate_size and num_experts must be positive, got ", cfg.hidden_size, ", ",
@@ -119,13 +118,13 @@ struct SparseMoeBlock {
                 ": num_experts_per_tok = ", cfg.num_experts_per_tok, " must be in [1, num_experts = ", cfg.num_experts,
                 "]");
     int64_t local = cfg.num_experts, first = 0;
-    if (ep != nullptr) {
-      SLIME_CHECK(ep->num_experts() == cfg.num_experts, prefix, ": the ExpertParallel splits ", ep->num_experts(),
-                  " experts but the block has num_experts = ", cfg.num_experts);
-      SLIME_CHECK(ep->device() == opt.device, prefix, ": the ep communicator works on ", ep->device(),
+    if (dispatcher) {
+      SLIME_CHECK(dispatcher.num_experts() == cfg.num_experts, prefix, ": the dispatcher splits ",
+                  dispatcher.num_experts(), " experts but the block has num_experts = ", cfg.num_experts);
+      SLIME_CHECK(dispatcher.device() == opt.device, prefix, ": the dispatcher works on ", dispatcher.device(),
                   " but the block is on ", opt.device);
-      local = ep->num_local_experts();
-      first = ep->first_expert();
+      local = dispatcher.num_local_experts();
+      first = dispatcher.first_expert();
     }
     const int64_t H = cfg.hidden_size, I = cfg.moe_intermediate_size;
     gate.name = prefix + ".gate.weight";
@@ -143,7 +142,10 @@ struct SparseMoeBlock {
 
   int64_t hidden_size() const { return config.hidden_size; }
   int64_t num_local_experts() const { return gate_proj.value.size(0); }
-  parallel::ExpertParallel<>* expert_parallel() const { return ep_; }
+  // The dispatcher given at construction (empty: the local one).
+  const DispatcherRef& dispatcher() const { return dispatcher_; }
+  // Ranks the experts are split over (1 without a dispatcher that splits them).
+  int expert_degree() const { return dispatcher_ ? dispatcher_.size() : 1; }
 
   template <class F>
   void for_each_parameter(F&& f) {
@@ -156,8 +158,7 @@ struct SparseMoeBlock {
   // x [T, H] -> y [T, H] (a new tensor). Every rank of the ep group must call
   // it, also with T = 0.
   Tensor forward(const Tensor& x, Context& ctx, const Stream& stream = {}) {
-    using parallel::detail::rows_view;
-    using parallel::detail::vec_view;
+    using detail::rows_view;
     detail::check_activation(x, options, config.hidden_size, gate.name + ": x");
     SLIME_CHECK(x.dim() == 2, gate.name, ": x must be 2-D [tokens, hidden], got ", x.str());
     const Device dev = options.device;
@@ -175,38 +176,23 @@ struct SparseMoeBlock {
     ops::router_forward(ctx.router_logits, config.norm_topk_prob, ctx.probs, ctx.indices, ctx.weights, stream);
 
     ctx.host_offsets.clear();
-    bool fetch_offsets = false;  // copy ctx.offsets to the host below
-    if (ep_ != nullptr) {
-      ctx.x_rows = ep_->dispatch(x, ctx.indices, ctx.dispatch, stream);
-      ctx.offsets = ctx.dispatch.local_offsets();
-      const std::vector<int64_t>& counts = ctx.dispatch.local_counts();  // empty at degree 1
-      if (dev.is_cuda() && !counts.empty()) {
+    if (dispatcher_) {
+      ctx.x_rows = dispatcher_.dispatch(x, ctx.indices, ctx.dispatch, stream);
+      ctx.offsets = dispatcher_.local_offsets(ctx.dispatch);
+    } else {
+      ctx.x_rows = local_.dispatch(x, ctx.indices, ctx.local, stream);
+      ctx.offsets = ctx.local.local_offsets();
+    }
+    if (dev.is_cuda()) {
+      const std::vector<int64_t>& counts = dispatcher_ ? dispatcher_.local_counts(ctx.dispatch) : no_counts_;
+      if (!counts.empty()) {
         ctx.host_offsets.assign(counts.size() + 1, 0);
         for (std::size_t i = 0; i < counts.size(); ++i)
           ctx.host_offsets[i + 1] = int32_t(ctx.host_offsets[i] + counts[i]);
-      } else if (dev.is_cuda() && host_group_sizes) {
-        fetch_offsets = true;
-        start_offsets_copy(ctx, stream);
+      } else if (host_group_sizes) {
+        copy_offsets_to_host(ctx, stream);
       }
-    } else {
-      ops::MoeLayout& l = ctx.layout;
-      l.tokens = T;
-      l.topk = k;
-      l.num_experts = E;
-      l.counts = vec_view(b.counts, E, DType::i32, dev, stream);
-      l.offsets = vec_view(b.offsets, E + 1, DType::i32, dev, stream);
-      l.row_to_copy = vec_view(b.row_to_copy, T * k, DType::i32, dev, stream);
-      l.copy_to_row = vec_view(b.copy_to_row, T * k, DType::i32, dev, stream);
-      ops::moe_build_layout(ctx.indices, l, stream);
-      ctx.offsets = l.offsets;
-      if (dev.is_cuda() && host_group_sizes) {
-        fetch_offsets = true;
-        start_offsets_copy(ctx, stream);
-      }
-      ctx.x_rows = rows_view(b.x_rows, T * k, H, dt, dev, stream);
-      ops::moe_permute_forward(x, l, ctx.x_rows, stream);
     }
-    if (fetch_offsets) finish_offsets_copy(ctx, stream);
     const std::span<const int32_t> host = ctx.host_offsets;
 
     const int64_t R = ctx.x_rows.size(0);
@@ -220,10 +206,10 @@ struct SparseMoeBlock {
     ops::grouped_gemm_forward(ctx.h, down_proj.value, ctx.offsets, ctx.y_rows, stream, host);
 
     Tensor y = Tensor::empty({T, H}, dt, dev, stream);
-    if (ep_ != nullptr) {
-      ep_->combine(ctx.y_rows, ctx.weights, ctx.dispatch, stream, y);
+    if (dispatcher_) {
+      dispatcher_.combine(ctx.y_rows, ctx.weights, ctx.dispatch, stream, y);
     } else {
-      ops::moe_unpermute_forward(ctx.y_rows, ctx.weights, ctx.layout, y, stream);
+      local_.combine(ctx.y_rows, ctx.weights, ctx.local, stream, y);
     }
     return y;
   }
@@ -240,7 +226,7 @@ struct SparseMoeBlock {
                 dy.str());
     const Device dev = options.device;
     const DType dt = options.dtype;
-    const int64_t T = ctx.x.size(0), H = config.hidden_size, E = config.num_experts, k = config.num_experts_per_tok;
+    const int64_t T = ctx.x.size(0), H = config.hidden_size, E = config.num_experts;
     if (aux_dlogits.defined()) {
       SLIME_CHECK(
           aux_dlogits.dtype() == DType::f32 && aux_dlogits.shape() == Shape({T, E}) && aux_dlogits.device() == dev,
@@ -248,24 +234,17 @@ struct SparseMoeBlock {
     }
 
     // Combine's backward: d expert outputs and d router weights.
-    Tensor dy_rows, dweights;
-    if (ep_ != nullptr) {
-      auto g = ep_->combine_backward(dy, ctx.dispatch, stream);
-      dy_rows = g.d_expert_out;
-      dweights = g.dweights;
-    } else {
-      dy_rows = Tensor::empty(ctx.y_rows.shape(), dt, dev, stream);
-      dweights = Tensor::empty({T, k}, dt, dev, stream);
-      ops::moe_unpermute_backward(dy, ctx.y_rows, ctx.weights, ctx.layout, dy_rows, dweights, stream);
-    }
+    const CombineGrads g = dispatcher_ ? dispatcher_.combine_backward(dy, ctx.dispatch, stream)
+                                       : local_.combine_backward(dy, ctx.local, stream);
+    const Tensor& dweights = g.dweights;
 
     // The experts.
-    const Tensor dx_rows = experts_backward(ctx, dy_rows, stream);
+    const Tensor dx_rows = experts_backward(ctx, g.d_expert_out, stream);
     Tensor dx = Tensor::empty({T, H}, dt, dev, stream);
-    if (ep_ != nullptr) {
-      ep_->dispatch_backward(dx_rows, ctx.dispatch, stream, dx);
+    if (dispatcher_) {
+      dispatcher_.dispatch_backward(dx_rows, ctx.dispatch, stream, dx);
     } else {
-      ops::moe_permute_backward(dx_rows, ctx.layout, dx, /*accumulate=*/false, stream);
+      local_.dispatch_backward(dx_rows, ctx.local, stream, dx);
     }
 
     // The router: dlogits in fp32 (+ the auxiliary loss's), then the gate.
@@ -289,18 +268,15 @@ struct SparseMoeBlock {
     return stream.device() == options.device ? stream : Stream::default_for(options.device);
   }
 
-  // Queues the copy of ctx.offsets into the pinned buffer (CUDA).
-  void start_offsets_copy(Context& ctx, const Stream& stream) {
+  // Copies ctx.offsets to the host through a pinned buffer and waits for it
+  // (the one stream synchronisation; CUDA).
+  void copy_offsets_to_host(Context& ctx, const Stream& stream) {
     Tensor& pinned = ctx.buffers.host_offsets;
     if (!pinned.defined() || pinned.shape() != ctx.offsets.shape())
       pinned = Tensor::empty_pinned(ctx.offsets.shape(), DType::i32);
-    pinned.copy_from(ctx.offsets, effective_stream(stream));
-  }
-
-  // Waits for it (the one stream synchronisation) and keeps the host offsets.
-  void finish_offsets_copy(Context& ctx, const Stream& stream) {
-    effective_stream(stream).synchronize();
-    const Tensor& pinned = ctx.buffers.host_offsets;
+    const Stream s = effective_stream(stream);
+    pinned.copy_from(ctx.offsets, s);
+    s.synchronize();
     const int32_t* o = pinned.data<int32_t>();
     ctx.host_offsets.assign(o, o + pinned.numel());
   }
@@ -323,7 +299,9 @@ struct SparseMoeBlock {
     return dx_rows;
   }
 
-  parallel::ExpertParallel<>* ep_ = nullptr;
+  DispatcherRef dispatcher_;  // empty: local_
+  LocalDispatcher local_;     // all experts on this rank
+  static inline const std::vector<int64_t> no_counts_{};
 };
 
 }  // namespace slime::nn

@@ -36,6 +36,7 @@
 #include <utility>
 #include <vector>
 
+#include "slime/nn/causal_lm.hpp"
 #include "slime/nn/config.hpp"
 #include "slime/nn/decoder_layer.hpp"
 #include "slime/nn/embedding.hpp"
@@ -43,29 +44,13 @@
 #include "slime/nn/moe.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/rms_norm.hpp"
+#include "slime/nn/token_dispatcher.hpp"
+#include "slime/nn/units.hpp"
 #include "slime/ops/linear.hpp"
 #include "slime/ops/router.hpp"
 #include "slime/ops/token_logprobs.hpp"
-#include "slime/parallel/expert_parallel.hpp"
 
 namespace slime::nn {
-
-// What loss_and_backward returns: the loss and the per-token values.
-struct LossResult {
-  double loss = 0;      // -sum_t logprobs[t] / normalizer (+ router_aux_loss_coef * aux_loss when included)
-  Tensor logprobs;      // f32 [T]
-  Tensor entropy;       // f32 [T]
-  double aux_loss = 0;  // the load-balancing loss, unscaled; 0 when not included (dense models)
-};
-
-// The MoE load-balancing loss of one forward and its gradient.
-struct AuxLoss {
-  double value = 0;  // aux loss over all sparse layers' router outputs, unscaled (HF's aux_loss)
-  double scale = 0;  // the factor its gradients carry (router_aux_loss_coef by default)
-  // Per decoder layer: f32 [T, num_experts] = scale · ∂aux/∂router_logits for
-  // sparse layers, undefined for dense ones. Empty when nothing was computed.
-  std::vector<Tensor> dlogits;
-};
 
 class Qwen3Model {
  public:
@@ -79,10 +64,11 @@ class Qwen3Model {
   Qwen3Model() = default;
 
   // Parameters allocated on opt.device in opt.dtype, uninitialised (use
-  // init_random or load_hf). Throws for an invalid config. `ep` (optional,
-  // MoE only) is handed to every sparse block: it decides which experts this
-  // rank holds (Parameter::first_expert and the stacks' dim 0).
-  Qwen3Model(const Qwen3Config& config, ModuleOptions opt, parallel::ExpertParallel<>* ep = nullptr)
+  // init_random or load_hf). Throws for an invalid config. `dispatcher`
+  // (optional, MoE only; e.g. a parallel::ExpertParallel) is handed to every
+  // sparse block: it moves the tokens to the experts and decides which
+  // experts this rank holds (Parameter::first_expert and the stacks' dim 0).
+  Qwen3Model(const Qwen3Config& config, ModuleOptions opt, DispatcherRef dispatcher = {})
       : config_(config), options_(opt) {
     config_.validate();
     const std::string where = config.source.empty() ? std::string("Qwen3Model") : "Qwen3Model('" + config.source + "')";
@@ -112,7 +98,7 @@ class Qwen3Model {
     for (int i = 0; i < config_.num_hidden_layers; ++i) {
       const std::string prefix = "model.layers." + std::to_string(i);
       if (config_.is_sparse_layer(i)) {
-        layers_.emplace_back(prefix, attn, moe, opt, ep);
+        layers_.emplace_back(prefix, attn, moe, opt, dispatcher);
       } else {
         layers_.emplace_back(prefix, attn, config_.intermediate_size, opt);
       }
@@ -161,29 +147,108 @@ class Qwen3Model {
     init_parameters(*this, seed, std, stream);
   }
 
+  // The units (nn/units.hpp), in forward order: "model.embed_tokens" (with
+  // the LM head when tied), per decoder layer "model.layers.<i>" and, for a
+  // sparse layer whose experts are split over ranks (a dispatcher of degree
+  // > 1), a second unit "model.layers.<i>.mlp.experts" (UnitKind::expert)
+  // right after it with the stacked expert weights (this rank's slice; the
+  // router gate stays in the layer's unit); last "model.norm" (with the LM
+  // head, "model.norm+lm_head", when untied).
+  std::vector<Unit> units() {
+    std::vector<Unit> u;
+    auto add = [&](std::string name) -> Unit& {
+      u.push_back(Unit{std::move(name), {}, UnitKind::dense, 1, false});
+      return u.back();
+    };
+    Unit& embed = add("model.embed_tokens");
+    embed_tokens_.for_each_parameter([&](Parameter& p) { embed.params.push_back(&p); });
+    embed.has_lm_head = config_.tie_word_embeddings;
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      DecoderLayer& layer = layers_[i];
+      const std::string name = "model.layers." + std::to_string(i);
+      add(name);
+      if (has_expert_unit(layer)) {
+        Unit experts{name + ".mlp.experts", {}, UnitKind::expert, layer.moe->expert_degree(), false};
+        layer.for_each_parameter(
+            [&](Parameter& p) { (p.is_expert_stack() ? experts : u.back()).params.push_back(&p); });
+        u.push_back(std::move(experts));
+      } else {
+        layer.for_each_parameter([&](Parameter& p) { u.back().params.push_back(&p); });
+      }
+    }
+    Unit& last = add("model.norm");
+    norm_.for_each_parameter([&](Parameter& p) { last.params.push_back(&p); });
+    if (!config_.tie_word_embeddings) {
+      last.name = "model.norm+lm_head";
+      last.params.push_back(&lm_head_);
+      last.has_lm_head = true;
+    }
+    return u;
+  }
+
   // Final-normed hidden states [T, D] of the packed batch (on the model's
-  // device). ctx keeps what backward needs.
-  Tensor forward(const PackedBatch& batch, Context& ctx, const Stream& stream = {}) {
+  // device). ctx keeps what backward needs. `hooks` are called around every
+  // unit (see units()).
+  template <UnitHooks Hooks = NoHooks>
+  Tensor forward(const PackedBatch& batch, Context& ctx, const Stream& stream, Hooks& hooks) {
     check_batch(batch);
     ctx.batch = batch;
     ctx.layers.resize(layers_.size());
+    hooks.forward_begin(0);
     Tensor h = embed_tokens_.forward(batch.tokens, ctx.embed_tokens, stream);
-    for (std::size_t i = 0; i < layers_.size(); ++i) h = layers_[i].forward(h, batch, ctx.layers[i], stream);
-    return norm_.forward(h, ctx.norm, stream);
+    hooks.forward_end(0);
+    std::size_t u = 1;  // the layer's (first) unit
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      const bool experts = has_expert_unit(layers_[i]);
+      hooks.forward_begin(u);
+      if (experts) hooks.forward_begin(u + 1);
+      h = layers_[i].forward(h, batch, ctx.layers[i], stream);
+      if (experts) hooks.forward_end(u + 1);
+      hooks.forward_end(u);
+      u += experts ? 2 : 1;
+    }
+    hooks.forward_begin(u);
+    h = norm_.forward(h, ctx.norm, stream);
+    hooks.forward_end(u);
+    return h;
+  }
+  Tensor forward(const PackedBatch& batch, Context& ctx, const Stream& stream = {}) {
+    NoHooks none;
+    return forward(batch, ctx, stream, none);
   }
 
   // Accumulates the gradients of every parameter but the LM head from
   // d_hidden [T, D] (the gradient of forward's output) and, when `aux` holds
   // gradients (aux_loss_and_grad of the same ctx), of the load-balancing loss.
-  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream = {}, const AuxLoss& aux = {}) {
+  // `hooks` are called around every unit, in reverse order.
+  template <UnitHooks Hooks>
+  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream, Hooks& hooks,
+                const AuxLoss& aux = {}) {
     check_context(ctx, "backward");
     SLIME_CHECK(aux.dlogits.empty() || aux.dlogits.size() == layers_.size(), "Qwen3Model::backward: aux.dlogits holds ",
                 aux.dlogits.size(), " tensors, expected none or one per layer (", layers_.size(),
                 "; from aux_loss_and_grad)");
+    std::size_t u = 1;
+    for (const DecoderLayer& l : layers_) u += has_expert_unit(l) ? 2 : 1;
+    hooks.backward_begin(u);
     Tensor d = norm_.backward(ctx.norm, d_hidden, stream);
-    for (std::size_t i = layers_.size(); i-- > 0;)
+    hooks.backward_end(u);
+    for (std::size_t i = layers_.size(); i-- > 0;) {
+      const bool experts = has_expert_unit(layers_[i]);
+      u -= experts ? 2 : 1;
+      if (experts) hooks.backward_begin(u + 1);
+      hooks.backward_begin(u);
       d = layers_[i].backward(ctx.layers[i], d, stream, aux.dlogits.empty() ? Tensor{} : aux.dlogits[i]);
+      if (experts) hooks.backward_end(u + 1);
+      hooks.backward_end(u);
+    }
+    hooks.backward_begin(0);
     embed_tokens_.backward(ctx.embed_tokens, d, stream);
+    hooks.backward_end(0);
+  }
+  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream = {}, const AuxLoss& aux = {}) {
+    NoHooks none;
+    backward(ctx, d_hidden, stream, none, aux);
   }
 
   // Indices of the decoder layers with experts (empty for dense models).
@@ -213,9 +278,13 @@ class Qwen3Model {
   // gives value 0 and no gradients. Runs on the model's device (the layers'
   // probs and indices copied into one [L·T, E] / [L·T, k] buffer; the
   // gradients are row views of one [L·T, E] f32 tensor) and reads the loss
-  // back (a host synchronisation).
-  AuxLoss aux_loss_and_grad(const Context& ctx, std::optional<double> scale = std::nullopt,
-                            const Stream& stream = {}) const {
+  // back (a host synchronisation). With `reduce` (the batch's tokens spread
+  // over ranks) the statistics of every rank's rows are summed first, so the
+  // loss and the gradients of this rank's rows are those of the whole batch
+  // (ops::router_aux_stats; equal to the unsplit batch's to f32 rounding of
+  // the probability sums).
+  AuxLoss aux_loss_and_grad(const Context& ctx, std::optional<double> scale = std::nullopt, const Stream& stream = {},
+                            const AuxStatsReduce& reduce = {}) const {
     check_context(ctx, "aux_loss_and_grad");
     AuxLoss aux;
     aux.scale = scale.value_or(config_.router_aux_loss_coef);
@@ -235,9 +304,17 @@ class Qwen3Model {
       indices.slice_rows(int64_t(l) * T, T).copy_from(m.indices, stream);
     }
     Tensor loss = Tensor::empty({1}, DType::f32, dev, stream);
-    ops::router_aux_loss_forward(probs, indices, loss, stream);
     Tensor dlogits = Tensor::empty({rows, E}, DType::f32, dev, stream);
-    ops::router_aux_loss_backward(probs, indices, float(aux.scale), dlogits, /*accumulate=*/false, stream);
+    if (reduce) {
+      Tensor stats = Tensor::empty({ops::router_aux_stats_size(E)}, DType::f32, dev, stream);
+      ops::router_aux_stats(probs, indices, stats, /*accumulate=*/false, stream);
+      reduce(stats, stream);
+      ops::router_aux_loss_from_stats(stats, E, loss, stream);
+      ops::router_aux_loss_backward_from_stats(probs, stats, float(aux.scale), dlogits, /*accumulate=*/false, stream);
+    } else {
+      ops::router_aux_loss_forward(probs, indices, loss, stream);
+      ops::router_aux_loss_backward(probs, indices, float(aux.scale), dlogits, /*accumulate=*/false, stream);
+    }
     aux.dlogits.resize(layers_.size());
     for (std::size_t l = 0; l < sparse.size(); ++l)
       aux.dlogits[std::size_t(sparse[l])] = dlogits.slice_rows(int64_t(l) * T, T);
@@ -285,24 +362,22 @@ class Qwen3Model {
   LossResult loss_and_backward(const PackedBatch& batch, const Tensor& targets, float temperature = 1.f,
                                std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
                                std::optional<bool> with_aux_loss = std::nullopt) {
-    const int64_t T = batch.num_tokens();
-    const double n = normalizer.value_or(double(T));
-    SLIME_CHECK(n > 0, "loss_and_backward: normalizer must be positive, got ", n);
-    Context ctx;
-    Tensor hidden = forward(batch, ctx, stream);
-    ops::TokenLogprobs lp = token_logprobs(hidden, targets, temperature, stream);
-    Tensor grad_lp =
-        Tensor::from_vector(std::vector<float>(std::size_t(T), float(-1.0 / n)), {T}, options_.device, stream);
-    Tensor d_hidden = token_logprobs_backward(hidden, targets, temperature, lp, grad_lp, Tensor{}, stream);
-    AuxLoss aux;
-    if (with_aux_loss.value_or(config_.output_router_logits)) aux = aux_loss_and_grad(ctx, std::nullopt, stream);
-    backward(ctx, d_hidden, stream, aux);
-    double sum = 0;
-    for (float v : lp.logprobs.to_vector<float>(stream)) sum += double(v);
-    return {-sum / n + aux.scale * aux.value, lp.logprobs, lp.entropy, aux.value};
+    return causal_lm_loss_and_backward(*this, batch, targets, Tensor{}, temperature, normalizer, stream,
+                                       with_aux_loss.value_or(config_.output_router_logits));
+  }
+  // The same with per-token loss weights (f32 [T], e.g. a 0/1 mask of the
+  // tokens that count; normalizer default: their sum): nn/causal_lm.hpp.
+  LossResult loss_and_backward(const PackedBatch& batch, const Tensor& targets, const Tensor& loss_weights,
+                               float temperature = 1.f, std::optional<double> normalizer = std::nullopt,
+                               const Stream& stream = {}, std::optional<bool> with_aux_loss = std::nullopt) {
+    return causal_lm_loss_and_backward(*this, batch, targets, loss_weights, temperature, normalizer, stream,
+                                       with_aux_loss.value_or(config_.output_router_logits));
   }
 
  private:
+  // Whether layer l's expert stack is a unit of its own (split over ranks).
+  static bool has_expert_unit(const DecoderLayer& l) { return l.is_sparse() && l.moe->expert_degree() > 1; }
+
   void check_batch(const PackedBatch& b) const {
     SLIME_CHECK(b.tokens.defined() && b.cu_seqlens.defined() && b.positions.defined(),
                 "Qwen3Model::forward: the batch is incomplete (use make_packed_batch)");

@@ -1,6 +1,8 @@
 // slime/ops/router.hpp: the Qwen3-MoE router (softmax over experts, top-k,
 // optional renormalisation of the top-k weights) and the load-balancing
-// auxiliary loss, forward and backward, on the CPU or the GPU.
+// auxiliary loss, forward and backward, on the CPU or the GPU; the auxiliary
+// loss also from per-expert statistics summed over data-parallel ranks
+// (router_aux_stats and the _from_stats calls, at the end of this file).
 //
 // Accumulation contract: parameter gradients accumulate (`+=`) into fp32
 // tensors (the gate weight's, through linear_backward_weight); activation
@@ -47,11 +49,13 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "slime/core/tensor.hpp"
 #include "slime/ops/cpu/router.hpp"
@@ -78,15 +82,20 @@ inline void check_f32_bf16(const Tensor& t, std::string_view op, std::string_vie
               t.str());
 }
 
-// probs [rows, E] f32 and indices [rows, k] i32 with 1 <= k <= E, one device.
-inline void check_probs_indices(const Tensor& probs, const Tensor& indices, std::string_view op) {
+// probs [rows, E] f32 with E >= 1.
+inline void check_probs(const Tensor& probs, std::string_view op) {
   check_2d(probs, op, "probs", "[rows, experts]");
   SLIME_CHECK(probs.dtype() == DType::f32, op, ": probs must be f32, got ", probs.str());
+  SLIME_CHECK(probs.size(1) >= 1, op, ": probs needs at least one expert, got ", probs.str());
+}
+
+// probs [rows, E] f32 and indices [rows, k] i32 with 1 <= k <= E, one device.
+inline void check_probs_indices(const Tensor& probs, const Tensor& indices, std::string_view op) {
+  check_probs(probs, op);
   check_2d(indices, op, "indices", "[rows, k]");
   SLIME_CHECK(indices.dtype() == DType::i32, op, ": indices must be i32, got ", indices.str());
   SLIME_CHECK(indices.size(0) == probs.size(0), op, ": indices must have ", probs.size(0), " rows (probs's), got ",
               indices.str());
-  SLIME_CHECK(probs.size(1) >= 1, op, ": probs needs at least one expert, got ", probs.str());
   SLIME_CHECK(indices.size(1) >= 1 && indices.size(1) <= probs.size(1), op, ": k = ", indices.size(1),
               " (indices dim 1) must be in [1, num_experts = ", probs.size(1), "]");
   check_same_device(probs, indices, std::string(op) + ": probs", "indices");
@@ -288,6 +297,197 @@ inline void router_aux_loss_backward(const Tensor& probs, const Tensor& indices,
     using TG = decltype(gt);
     cpu::router_aux_loss_backward(probs.data<float>(), indices.data<int32_t>(), probs.size(0), probs.size(1),
                                   indices.size(1), dloss, dlogits.data<TG>(), accumulate);
+  });
+}
+
+// ---- The auxiliary loss over rows spread across data-parallel ranks ---------
+//
+// The loss depends on the N rows of the batch only through per-expert
+// statistics, so with the rows spread over ranks each rank runs
+//   1. router_aux_stats(probs, indices, stats)         its rows' statistics
+//   2. comm.all_reduce(stats)                          (sum) over the DP ranks
+//   3. router_aux_loss_from_stats(stats, E, loss)      the loss of all N rows
+//   4. router_aux_loss_backward_from_stats(probs, stats, dloss, dlogits)
+//                                                      its rows' gradient
+// and gets the unsharded batch's loss and gradient rows (the same dloss on
+// every rank). The rows are the global loss's gradient, so the ranks' parameter
+// gradients sum to its full gradient; where the DP gradient reduction averages
+// over R ranks, pass dloss · R.
+//
+// stats: f32 [router_aux_stats_size(E) = 2E + 1], one tensor for one all_reduce:
+//   stats[0, E)    count_e: how many of the rows' (row, slot) choices picked e
+//   stats[E, 2E)   Σ_t probs[t, e]
+//   stats[2E]      N, the number of rows
+//
+// Numerics. Stats of all the rows in one call give router_aux_loss_forward's
+// loss and router_aux_loss_backward's gradient bit for bit (CPU and GPU: the
+// same sums in the same order). Counts and N are integers held in f32, so
+// they and their sums over ranks, in any order, are exact below 2^24 =
+// 16,777,216 (kRouterAuxStatsExact); the gradient depends only on them, so
+// sharded gradient rows are the unsharded ones bit for bit. The prob sums are
+// f32 sums in a fixed order (CPU: the rows in order; GPU: the forward's fixed
+// row chunks, then the chunks in order), the same run to run; another split
+// of the rows rounds them differently (~1e-7 relative), and the sharded loss
+// equals the unsharded one to that, not bitwise. f32 because DType has no
+// f64 and one dtype keeps it one collective.
+//
+// Checks. Both paths reject a call of 2^24 rows or more. The CPU path also
+// rejects a count that would reach 2^24 (possible only when a row repeats an
+// expert), and in the _from_stats calls any count or N that is not an integer
+// in [0, 2^24) or an N below the call's rows: stats averaged instead of
+// summed, or missing this rank's rows, are an error. On the GPU the summed
+// stats live on the device and are not checked: past 2^24 they round as an
+// f32 sum does (relative 2^-24 per add, the size of the prob sums' rounding).
+
+// Elements of router_aux_stats's output for `experts` experts: 2E + 1.
+inline int64_t router_aux_stats_size(int64_t experts) { return 2 * experts + 1; }
+
+// Counts and N in f32 stats are exact below this.
+inline constexpr int64_t kRouterAuxStatsExact = int64_t(1) << 24;
+
+namespace detail::moe_router {
+
+inline void check_stats(const Tensor& stats, int64_t experts, std::string_view op) {
+  SLIME_CHECK(stats.defined(), op, ": stats is undefined");
+  SLIME_CHECK(stats.dtype() == DType::f32 && stats.dim() == 1 && stats.numel() == router_aux_stats_size(experts), op,
+              ": stats must be f32 [2 * experts + 1] = [", router_aux_stats_size(experts), "] for ", experts,
+              " experts (router_aux_stats_size), got ", stats.str());
+}
+
+// An integer-valued element of f32 stats (a count or N) that is exact.
+inline bool exact_count(float v) { return v >= 0.f && v < float(kRouterAuxStatsExact) && v == std::floor(v); }
+
+inline const char* stats_field(int64_t i, int64_t experts) { return i < experts ? "count" : "row count N"; }
+
+// f(i) for the integer-valued elements of stats: the counts [0, E) and N [2E].
+template <class F>
+void for_each_count(int64_t experts, F&& f) {
+  for (int64_t e = 0; e < experts; ++e) f(e);
+  f(2 * experts);
+}
+
+// CPU stats given to the _from_stats functions: the counts and N are exact
+// integers and N covers the call's `rows`.
+inline void check_stats_values(const Tensor& stats, int64_t experts, int64_t rows, std::string_view op) {
+  const float* s = stats.data<float>();
+  for_each_count(experts, [&](int64_t i) {
+    SLIME_CHECK(exact_count(s[i]), op, ": stats[", i, "] = ", s[i], " (a ", stats_field(i, experts),
+                ") is not an integer in [0, 2^24): stats must be router_aux_stats's, summed (not averaged) over "
+                "the ranks, with counts below 2^24");
+  });
+  SLIME_CHECK(s[2 * experts] >= float(rows), op, ": stats[", 2 * experts, "] = N = ", s[2 * experts],
+              " rows, fewer than the ", rows, " rows of probs: the stats must include this call's rows");
+}
+
+}  // namespace detail::moe_router
+
+// stats (f32 [2E + 1], on probs' device; = or += with accumulate) = the
+// auxiliary loss's statistics of the rows of probs [N, E] and indices [N, k]
+// (layout above). With accumulate the statistics of several calls add up in
+// one tensor (still one all_reduce). workspace: GPU only, the size of
+// router_aux_loss_workspace_bytes(N, E), as router_aux_loss_forward's.
+inline void router_aux_stats(const Tensor& probs, const Tensor& indices, const Tensor& stats, bool accumulate = false,
+                             [[maybe_unused]] const Stream& stream = {},
+                             [[maybe_unused]] const Tensor& workspace = {}) {
+  constexpr std::string_view op = "router_aux_stats";
+  namespace r = detail::moe_router;
+  r::check_probs_indices(probs, indices, op);
+  const int64_t rows = probs.size(0), experts = probs.size(1), k = indices.size(1);
+  r::check_stats(stats, experts, op);
+  check_same_device(stats, probs, "router_aux_stats: stats", "probs");
+  SLIME_CHECK(rows < kRouterAuxStatsExact, op, ": ", rows,
+              " rows; f32 stats count rows exactly only below 2^24 = ", kRouterAuxStatsExact);
+  if (probs.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    r::check_gpu_experts(experts, op);
+    const Stream s = detail::memops::stream_for(probs.device(), stream, op);
+    DeviceGuard guard(probs.device());
+    const std::size_t bytes = cuda::router_aux_loss_workspace_bytes(rows, experts);
+    const Tensor ws = r::aux_workspace(workspace, bytes, probs, indices, stats, s, op);
+    cuda::router_aux_stats({probs.data<float>(), indices.data<int32_t>(), rows, experts, k, ws.data_ptr(), ws.nbytes()},
+                           stats.data<float>(), accumulate, s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
+  r::check_ids(indices, experts, op);
+  std::vector<float> local(static_cast<std::size_t>(router_aux_stats_size(experts)));
+  cpu::router_aux_stats(probs.data<float>(), indices.data<int32_t>(), rows, experts, k, local.data());
+  float* out = stats.data<float>();
+  // Every count and N written must stay exact (checked before anything is written).
+  r::for_each_count(experts, [&](int64_t i) {
+    if (accumulate)
+      SLIME_CHECK(r::exact_count(out[i]), op, ": stats[", i, "] = ", out[i], " (a ", r::stats_field(i, experts),
+                  ") to accumulate into is not an integer in [0, 2^24)");
+    const int64_t total = int64_t(local[std::size_t(i)]) + (accumulate ? int64_t(out[i]) : 0);
+    SLIME_CHECK(total < kRouterAuxStatsExact, op, ": stats[", i, "] (a ", r::stats_field(i, experts), ") would reach ",
+                total, " >= 2^24, past which f32 counts are not exact");
+  });
+  for (std::size_t i = 0; i < local.size(); ++i) out[i] = accumulate ? out[i] + local[i] : local[i];
+}
+
+// loss (f32, one element, on stats' device) = the auxiliary loss of the rows
+// that stats [2E + 1] describes (0 when N = 0), from router_aux_stats summed
+// over the ranks.
+inline void router_aux_loss_from_stats(const Tensor& stats, int64_t experts, const Tensor& loss,
+                                       [[maybe_unused]] const Stream& stream = {}) {
+  constexpr std::string_view op = "router_aux_loss_from_stats";
+  namespace r = detail::moe_router;
+  SLIME_CHECK(experts >= 1, op, ": needs at least one expert, got ", experts);
+  r::check_stats(stats, experts, op);
+  SLIME_CHECK(loss.defined() && loss.dtype() == DType::f32 && loss.numel() == 1, op,
+              ": loss must be an f32 tensor of one element, got ", loss.str());
+  check_same_device(loss, stats, "router_aux_loss_from_stats: loss", "stats");
+  SLIME_CHECK(!detail::memops::overlap(loss, stats), op, ": loss overlaps stats");
+  if (stats.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    r::check_gpu_experts(experts, op);
+    const Stream s = detail::memops::stream_for(stats.device(), stream, op);
+    DeviceGuard guard(stats.device());
+    cuda::router_aux_loss_from_stats(stats.data<float>(), experts, loss.data<float>(), s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
+  r::check_stats_values(stats, experts, 0, op);
+  *loss.data<float>() = cpu::router_aux_loss_from_stats(stats.data<float>(), experts);
+}
+
+// dlogits [rows, E] (bf16 or f32; = or += with accumulate) of this call's
+// rows of probs [rows, E], of dloss · the auxiliary loss of all the rows that
+// stats [2E + 1] describes (router_aux_stats summed over the ranks, these
+// rows included). The top-k ids enter only through the counts in stats.
+inline void router_aux_loss_backward_from_stats(const Tensor& probs, const Tensor& stats, float dloss,
+                                                const Tensor& dlogits, bool accumulate = false,
+                                                [[maybe_unused]] const Stream& stream = {}) {
+  constexpr std::string_view op = "router_aux_loss_backward_from_stats";
+  namespace r = detail::moe_router;
+  r::check_probs(probs, op);
+  const int64_t rows = probs.size(0), experts = probs.size(1);
+  r::check_stats(stats, experts, op);
+  check_same_device(stats, probs, "router_aux_loss_backward_from_stats: stats", "probs");
+  r::check_dlogits(dlogits, probs, op);
+  SLIME_CHECK(!detail::memops::overlap(dlogits, stats), op, ": dlogits overlaps stats");
+  if (probs.device().is_cuda()) {
+#if SLIME_HAS_CUDA
+    r::check_gpu_experts(experts, op);
+    const Stream s = detail::memops::stream_for(probs.device(), stream, op);
+    DeviceGuard guard(probs.device());
+    cuda::router_aux_loss_backward_from_stats({probs.data<float>(), rows, experts, stats.data<float>(), dloss,
+                                               dlogits.data_ptr(), dlogits.dtype(), accumulate},
+                                              s.handle());
+    return;
+#else
+    detail::memops::fail_no_cuda(op);
+#endif
+  }
+  r::check_stats_values(stats, experts, rows, op);
+  r::visit_f32_bf16(dlogits.dtype(), [&](auto gt) {
+    using TG = decltype(gt);
+    cpu::router_aux_loss_backward_from_stats(probs.data<float>(), rows, experts, stats.data<float>(), dloss,
+                                             dlogits.data<TG>(), accumulate);
   });
 }
 

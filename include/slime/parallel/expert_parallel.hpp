@@ -70,6 +70,8 @@
 #include "slime/comm/comm.hpp"
 #include "slime/comm/mesh.hpp"
 #include "slime/core/tensor.hpp"
+#include "slime/nn/module.hpp"
+#include "slime/nn/token_dispatcher.hpp"
 #include "slime/ops/elementwise.hpp"
 #include "slime/ops/moe_permute.hpp"
 
@@ -84,22 +86,8 @@ class ExpertParallel;
 
 namespace detail {
 
-// A [rows, cols] view of `cache`, which is reallocated only when too small
-// (then to max(need, 1.5 × its size)) or of another dtype or device.
-inline Tensor rows_view(Tensor& cache, int64_t rows, int64_t cols, DType dtype, Device device, const Stream& stream) {
-  const int64_t need = rows * cols;
-  const bool same_kind = cache.defined() && cache.dtype() == dtype && cache.device() == device;
-  if (!same_kind || cache.numel() < need) {
-    const int64_t grown = same_kind ? cache.numel() + cache.numel() / 2 : 0;
-    cache = Tensor::empty(Shape{std::max(need, grown)}, dtype, device, stream);
-  }
-  return cache.view(0, Shape{rows, cols});
-}
-
-// A 1-D view of n elements of `cache` (as rows_view).
-inline Tensor vec_view(Tensor& cache, int64_t n, DType dtype, Device device, const Stream& stream) {
-  return rows_view(cache, n, 1, dtype, device, stream).reshape(Shape{n});
-}
+using nn::detail::rows_view;
+using nn::detail::vec_view;
 
 // dst rows [b.dst, b.dst + b.rows) = src rows [b.src, b.src + b.rows), or the
 // reverse when `inverse`.
@@ -177,9 +165,15 @@ class DispatchHandle {
   Tensor y_cache_;             // [T, H']: combine's output when none is given
 };
 
+// Models nn::TokenDispatcher (nn/token_dispatcher.hpp): a SparseMoeBlock
+// built with it exchanges its tokens over the ep group.
 template <>
 class ExpertParallel<dynamic_degree> {
  public:
+  using Handle = DispatchHandle;
+  using CombineGrads = nn::CombineGrads;
+  using ErasedAs = ExpertParallel<dynamic_degree>;  // nn::DispatcherRef holds every degree as this type
+
   // The ep group is `comm` (which must outlive this object); num_experts E
   // must divide by its size.
   ExpertParallel(comm::Comm& comm, int64_t num_experts) : comm_(&comm), num_experts_(num_experts) {
@@ -350,11 +344,6 @@ class ExpertParallel<dynamic_degree> {
     return out;
   }
 
-  struct CombineGrads {
-    Tensor d_expert_out;  // [R, H'] in dispatch's grouped order, expert_out's dtype
-    Tensor dweights;      // [T, k], the router weights' dtype
-  };
-
   // The backward of combine, both written: from dy [T, H'] (expert_out's
   // dtype), the gradients of the expert outputs and of the router weights.
   // Views of this object's scratch (valid until its next combine_backward).
@@ -497,5 +486,7 @@ class ExpertParallel : public ExpertParallel<dynamic_degree> {
     return comm;
   }
 };
+
+static_assert(nn::TokenDispatcher<ExpertParallel<>>);
 
 }  // namespace slime::parallel

@@ -3,7 +3,7 @@
 // precision, prefetched all-gathers, overlapped reduce-scatters, gradient
 // accumulation, AdamW on the fp32 master shards and access for checkpoints.
 //
-// What a rank holds (per unit: see sharding_units.hpp; layout: flat_shard.hpp):
+// What a rank holds (per unit: the module's units(), nn/units.hpp; layout: flat_shard.hpp):
 //   master shard   [shard_numel] fp32: what AdamW updates
 //   compute shard  [shard_numel] compute dtype (bf16 on GPUs): the all-gather
 //                  input, refreshed by AdamW's param_copies; the master itself
@@ -39,9 +39,9 @@
 //
 // Composition with ExpertParallel: on a Mesh with ep > 1 (the model built
 // with an ExpertParallel over the mesh's ep axis), every rank holds the same
-// dense parameters and its ep slice of the experts. ShardingUnits mark the
-// expert stacks of each sparse layer as a unit of their own
-// (ShardGroup::expert, see sharding_units.hpp: a layer is then two units, its
+// dense parameters and its ep slice of the experts. The model's units() mark
+// the expert stacks of each sparse layer as a unit of their own
+// (nn::UnitKind::expert, see nn/units.hpp: a layer is then two units, its
 // dense one and its expert one, each with its own flat buffers). Dense units
 // shard over the flattened dp_shard x ep group (Mesh::flatten; gradients
 // reduce over every rank); expert units over dp_shard only (the ranks holding
@@ -140,13 +140,15 @@
 #include "slime/comm/mesh.hpp"
 #include "slime/core/stream.hpp"
 #include "slime/core/tensor.hpp"
+#include "slime/nn/causal_lm.hpp"
 #include "slime/nn/module.hpp"
+#include "slime/nn/packed_batch.hpp"
+#include "slime/nn/units.hpp"
 #include "slime/ops/elementwise.hpp"
 #include "slime/optim/adamw.hpp"
 #include "slime/optim/grad_clip.hpp"
 #include "slime/parallel/flat_shard.hpp"
 #include "slime/parallel/sharding_strategy.hpp"
-#include "slime/parallel/sharding_units.hpp"
 
 namespace slime::parallel {
 
@@ -163,17 +165,29 @@ struct LocalShard {
   int64_t first_expert = 0;
 };
 
+// Which data-parallel group a unit shards over (nn::UnitKind):
+//   dense:  every rank holding the same copy of the parameters: with expert
+//           parallelism (a Mesh with ep > 1) the flattened dp_shard x ep
+//           group, since every ep rank holds the same dense parameters.
+//   expert: expert weights split over ep_degree > 1 ranks: the unit shards
+//           over the data-parallel ranks holding the same slice (the mesh's
+//           dp_shard axis) and its gradients reduce over those only (the
+//           expert's gradient on its ep rank already covers the tokens every
+//           ep rank routed to it, through the block's all_to_all).
+using ShardGroup = nn::UnitKind;
+
 template <class Module, ShardingStrategy Strategy = FullShard>
 class Sharded {
  public:
-  using Units = ShardingUnits<Module>;
-  using Context = typename Units::Context;
+  using Context = typename Module::Context;
+  static_assert(nn::HasUnits<Module>,
+                "Sharded<Module, Strategy>: Module must expose units() (nn/units.hpp) and for_each_parameter");
 
   // FullShard / ShardGradOp shard over `comm`; NoShard replicates over it.
   // HybridShard needs the two groups of a Mesh (see below), and so does a
   // model with ExpertParallel of degree > 1.
   Sharded(Module module, comm::Comm& comm, ShardedOptions options = {},
-          optim::AdamWConfig adamw = {}) requires(!std::is_same_v<Strategy, HybridShard>)
+          optim::AdamWConfig adamw = {}) requires(!(Strategy::shards && Strategy::replicates))
       : Sharded(std::move(module), comm_groups(comm), options, adamw) {}
 
   // On a mesh: HybridShard shards over dp_shard and replicates over
@@ -216,6 +230,7 @@ class Sharded {
   int expert_replicate_world() const { return expert_replicate_comm_ ? expert_replicate_comm_->size() : 1; }
   // Whether unit u shards over the expert group (ShardGroup::expert).
   bool is_expert_unit(std::size_t u) const { return units_.at(u).group == ShardGroup::expert; }
+  // The module's units (nn/units.hpp) as wrapped: unit u holds unit_layout(u).
   // This rank's index among the ranks holding the same shard of unit u (its
   // replicate group: NoShard's replicas, HybridShard's dp_replicate, the dp
   // ranks of an expert slice under NoShard); 0 when there are none.
@@ -360,35 +375,81 @@ class Sharded {
 
   // ---- the step (the calls of the wrapped model) --------------------------
 
-  Tensor forward(const nn::PackedBatch& batch, Context& ctx, const Stream& stream = {}) {
+  // The module's forward (the batch it takes, e.g. an nn::PackedBatch) with
+  // the hooks that gather, prefetch and release each unit.
+  template <class Input>
+  Tensor forward(const Input& input, Context& ctx, const Stream& stream = {}) {
     check_onloaded("forward");
     const Stream s = compute_stream(stream);
     Hooks hooks{*this, s};
-    return Units::forward(*module_, batch, ctx, s, hooks);
+    return module_->forward(input, ctx, s, hooks);
   }
 
   // Accumulates the gradients of every parameter but the LM head; reduces
   // them when this backward completes the step's micro-batches (or always,
-  // with GradientSync::every_micro_batch).
-  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream = {}) {
+  // with GradientSync::every_micro_batch). `extra`: what the module's
+  // backward takes after its hooks (Qwen3Model: the nn::AuxLoss of
+  // aux_loss_and_grad).
+  template <class... Extra>
+  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream, const Extra&... extra) {
     check_onloaded("backward");
     const Stream s = compute_stream(stream);
     Hooks hooks{*this, s};
     sync_now_ = options_.gradient_sync == GradientSync::every_micro_batch || micro_batch_ + 1 == micro_batches_;
-    Units::backward(*module_, ctx, d_hidden, s, hooks);
+    module_->backward(ctx, d_hidden, s, hooks, extra...);
     micro_batch_ = (micro_batch_ + 1) % micro_batches_;
   }
+  void backward(const Context& ctx, const Tensor& d_hidden) { backward(ctx, d_hidden, Stream{}); }
 
-  Tensor logits(const Tensor& hidden, const Stream& stream = {}) {
+  // The module's MoE load-balancing loss of the forward that filled ctx and
+  // its router-logit gradients (nn::Qwen3Model::aux_loss_and_grad; no
+  // parameter is read), for backward(ctx, d, stream, aux). The loss is the
+  // one of the whole data-parallel batch (the statistics of every rank's
+  // tokens are all-reduced over the dense shard and replicate groups, which
+  // together hold every token once), so with gradient_reduce = sum the
+  // reduced gradients are the unsharded model's; with avg the scale is
+  // multiplied by the data-parallel ranks to undo the division. One rank:
+  // the module's own call, bit for bit.
+  nn::AuxLoss aux_loss_and_grad(const Context& ctx, std::optional<double> scale = std::nullopt,
+                                const Stream& stream = {}) requires requires(const Module& m) {
+    m.aux_loss_and_grad(ctx, scale, stream, nn::AuxStatsReduce{});
+  }
+  {
+    check_onloaded("aux_loss_and_grad");
+    const Stream s = compute_stream(stream);
+    const int ranks = shard_world() * replicate_world();
+    if (ranks == 1) return module_->aux_loss_and_grad(ctx, scale, s);
+    const bool avg = options_.gradient_reduce == comm::ReduceOp::avg;
+    if (avg) scale = scale.value_or(module_->config().router_aux_loss_coef) * double(ranks);
+    nn::AuxStatsReduce reduce = [this](const Tensor& stats, const Stream& on) {
+      Tensor t = stats;
+      if (shard_comm_) shard_comm_->all_reduce(t, comm::ReduceOp::sum, on);
+      if (replicate_comm_) replicate_comm_->all_reduce(t, comm::ReduceOp::sum, on);
+    };
+    nn::AuxLoss aux = module_->aux_loss_and_grad(ctx, scale, s, reduce);
+    if (avg) aux.scale /= double(ranks);
+    return aux;
+  }
+
+  // The head calls exist when the module has them (a causal LM).
+  Tensor logits(const Tensor& hidden, const Stream& stream = {}) requires requires(Module& m) {
+    m.logits(hidden, stream);
+  }
+  {
     check_onloaded("logits");
+    check_lm_head("logits");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
     return module_->logits(hidden, s);
   }
 
   ops::TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& targets, float temperature = 1.f,
-                                    const Stream& stream = {}) {
+                                    const Stream& stream = {}) requires requires(Module& m) {
+    m.token_logprobs(hidden, targets, temperature, stream);
+  }
+  {
     check_onloaded("token_logprobs");
+    check_lm_head("token_logprobs");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
     return module_->token_logprobs(hidden, targets, temperature, s);
@@ -396,32 +457,36 @@ class Sharded {
 
   Tensor token_logprobs_backward(const Tensor& hidden, const Tensor& targets, float temperature,
                                  const ops::TokenLogprobs& fwd, const Tensor& grad_logprobs, const Tensor& grad_entropy,
-                                 const Stream& stream = {}) {
+                                 const Stream& stream = {}) requires requires(Module& m) {
+    m.token_logprobs_backward(hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, stream);
+  }
+  {
     check_onloaded("token_logprobs_backward");
+    check_lm_head("token_logprobs_backward");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
     ensure_full_grad(lm_head_unit_, s);
     return module_->token_logprobs_backward(hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, s);
   }
 
-  // As Qwen3Model::loss_and_backward: L = -sum_t logprob_t / normalizer
-  // (default: this batch's token count), one backward pass.
+  // As Qwen3Model::loss_and_backward (nn/causal_lm.hpp): L = -Σ_t w_t
+  // logprob_t / normalizer (+ the aux loss when with_aux_loss, default: the
+  // model config's output_router_logits), one backward pass.
   nn::LossResult loss_and_backward(const nn::PackedBatch& batch, const Tensor& targets, float temperature = 1.f,
-                                   std::optional<double> normalizer = std::nullopt, const Stream& stream = {}) {
+                                   std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
+                                   std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module> {
+    return loss_and_backward(batch, targets, Tensor{}, temperature, normalizer, stream, with_aux_loss);
+  }
+  nn::LossResult loss_and_backward(const nn::PackedBatch& batch, const Tensor& targets, const Tensor& loss_weights,
+                                   float temperature = 1.f, std::optional<double> normalizer = std::nullopt,
+                                   const Stream& stream = {},
+                                   std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module> {
     check_onloaded("loss_and_backward");
     const Stream s = compute_stream(stream);
-    const int64_t T = batch.num_tokens();
-    const double n = normalizer.value_or(double(T));
-    SLIME_CHECK(n > 0, "Sharded::loss_and_backward: normalizer must be positive, got ", n);
-    Context ctx;
-    Tensor hidden = forward(batch, ctx, s);
-    ops::TokenLogprobs lp = token_logprobs(hidden, targets, temperature, s);
-    Tensor grad_lp = Tensor::from_vector(std::vector<float>(std::size_t(T), float(-1.0 / n)), {T}, device_, s);
-    Tensor d_hidden = token_logprobs_backward(hidden, targets, temperature, lp, grad_lp, Tensor{}, s);
-    backward(ctx, d_hidden, s);
-    double sum = 0;
-    for (float v : lp.logprobs.to_vector<float>(s)) sum += double(v);
-    return {-sum / n, lp.logprobs, lp.entropy};
+    bool aux = with_aux_loss.value_or(false);
+    if constexpr (requires(Module & m) { m.config().output_router_logits; })
+      aux = with_aux_loss.value_or(module_->config().output_router_logits);
+    return nn::causal_lm_loss_and_backward(*this, batch, targets, loss_weights, temperature, normalizer, s, aux);
   }
 
   // The next n backward passes accumulate into one optimizer step (default 1).
@@ -551,18 +616,20 @@ class Sharded {
   // [E_local, ...]; every rank takes part in both kinds, so calling it for
   // every name of parameter_names() on every rank is always right).
   Tensor gather_parameter(std::string_view name, const Stream& stream = {}) {
-    const Stream s = compute_stream(stream);
     const auto [u, i] = find(name);
-    const FlatShardEntry& e = units_[u].layout.entries()[i];
-    Tensor piece = units_[u].master.view(e.shard_offset, Shape{e.piece});
-    if (piece.device() != device_) piece = piece.to(device_, s);  // offloaded master: via the device
-    Tensor all = Tensor::empty({e.piece * units_[u].layout.world()}, master_dtype_, device_, s);
-    if (units_[u].shard) {
-      units_[u].shard->all_gather(piece, all, s);
-    } else {
-      all.copy_from(piece, s);
-    }
-    return all.view(0, e.shape);
+    return gather_piece(units_[u].master, u, i, master_dtype_, compute_stream(stream));
+  }
+
+  // The full fp32 reduced gradient of one parameter (the sum over the
+  // micro-batches since zero_grad, as the optimizer sees it), gathered as
+  // gather_parameter (collective over the same group, same rules). Call it
+  // after the step's last backward.
+  Tensor gather_gradient(std::string_view name, const Stream& stream = {}) {
+    check_onloaded("gather_gradient");
+    const Stream s = compute_stream(stream);
+    wait_for_reductions(s);
+    const auto [u, i] = find(name);
+    return gather_piece(units_[u].grad_shard, u, i, DType::f32, s);
   }
 
   // Sets one parameter from its full value (any dtype ops::cast takes, the
@@ -607,7 +674,7 @@ class Sharded {
     Event gathered_ready, grad_ready, params_free;
   };
 
-  // The callbacks ShardingUnits::forward / backward make around each unit.
+  // The callbacks the module's forward / backward make around each unit.
   struct Hooks {
     Sharded& self;
     const Stream& stream;
@@ -615,8 +682,9 @@ class Sharded {
     void forward_begin(std::size_t u) {
       self.gather_for_use(u, stream);
       if (self.options_.prefetch) {
+        // After the last unit: the LM head's (token_logprobs comes next), if any.
         const std::size_t next = u + 1 < self.units_.size() ? u + 1 : self.lm_head_unit_;
-        self.issue_gather(next);
+        if (next < self.units_.size()) self.issue_gather(next);
       }
     }
     void forward_end(std::size_t u) {
@@ -657,20 +725,19 @@ class Sharded {
         adamw_(adamw) {
     comm::Comm* const shard = groups.shard;
     comm::Comm* const replicate = groups.replicate;
-    std::vector<ShardingUnit> units = Units::units(*module_);
-    SLIME_CHECK(!units.empty(), "Sharded: the module has no sharding units");
-    lm_head_unit_ = Units::lm_head_unit(*module_);
-    SLIME_CHECK(lm_head_unit_ < units.size(), "Sharded: lm_head unit ", lm_head_unit_, " out of range");
+    std::vector<nn::Unit> units = module_->units();
+    SLIME_CHECK(!units.empty(), "Sharded: the module has no units");
+    lm_head_unit_ = nn::lm_head_unit(units);
     // Device and dtype from the parameters; all must agree.
     const nn::Parameter* first = nullptr;
     std::unordered_map<const nn::Parameter*, std::string> seen;
-    for (const ShardingUnit& su : units) {
-      if (su.group == ShardGroup::expert) {
+    for (const nn::Unit& su : units) {
+      if (su.kind == nn::UnitKind::expert) {
         SLIME_CHECK(groups.ep > 0, "Sharded: unit '", su.name, "' holds expert weights of an ExpertParallel of degree ",
-                    su.ep_degree, "; build Sharded from a comm::Mesh whose ep axis is the ExpertParallel's group ",
+                    su.expert_degree, "; build Sharded from a comm::Mesh whose ep axis is the ExpertParallel's group ",
                     "(expert weights shard over dp_shard, dense ones over dp_shard x ep)");
-        SLIME_CHECK(su.ep_degree == groups.ep, "Sharded: unit '", su.name, "' holds expert weights of an ",
-                    "ExpertParallel of degree ", su.ep_degree, " but the mesh has ep = ", groups.ep,
+        SLIME_CHECK(su.expert_degree == groups.ep, "Sharded: unit '", su.name, "' holds expert weights of an ",
+                    "ExpertParallel of degree ", su.expert_degree, " but the mesh has ep = ", groups.ep,
                     "; build the model's ExpertParallel over the mesh's ep axis");
         has_expert_units_ = true;
       }
@@ -719,12 +786,12 @@ class Sharded {
     grads_zeroed_.record(init);
     grads_zeroed_.wait(comm_stream_);
     units_.reserve(units.size());
-    for (ShardingUnit& su : units) {
+    for (nn::Unit& su : units) {
       Unit u;
       u.name = su.name;
       u.params = su.params;
-      u.group = su.group;
-      const bool expert = su.group == ShardGroup::expert;
+      u.group = su.kind;
+      const bool expert = su.kind == nn::UnitKind::expert;
       u.shard = expert ? expert_shard_comm_ : shard_comm_;
       u.replicate = expert ? expert_replicate_comm_ : replicate_comm_;
       u.aliased = u.shard == nullptr;
@@ -800,7 +867,7 @@ class Sharded {
       g.owned_dense = mesh.flatten({a, Axis::ep});
       return g.owned_dense.get();
     };
-    if constexpr (std::is_same_v<Strategy, HybridShard>) {
+    if constexpr (Strategy::shards && Strategy::replicates) {
       g.shard = dense(Axis::dp_shard);
       g.replicate = g.expert_replicate = &mesh.comm(Axis::dp_replicate);
       g.expert_shard = &mesh.comm(Axis::dp_shard);
@@ -824,6 +891,21 @@ class Sharded {
     return g;
   }
 
+  // Parameter i of unit u whole from every shard group rank's piece of
+  // `flat` (a master or grad shard of that unit).
+  Tensor gather_piece(const Tensor& flat, std::size_t u, std::size_t i, DType dtype, const Stream& s) {
+    const FlatShardEntry& e = units_[u].layout.entries()[i];
+    Tensor piece = flat.view(e.shard_offset, Shape{e.piece});
+    if (piece.device() != device_) piece = piece.to(device_, s);  // offloaded master: via the device
+    Tensor all = Tensor::empty({e.piece * units_[u].layout.world()}, dtype, device_, s);
+    if (units_[u].shard) {
+      units_[u].shard->all_gather(piece, all, s);
+    } else {
+      all.copy_from(piece, s);
+    }
+    return all.view(0, e.shape);
+  }
+
   // This rank's index in unit u's shard group.
   static int unit_rank(const Unit& u) { return u.shard ? u.shard->rank() : 0; }
 
@@ -838,6 +920,10 @@ class Sharded {
     const double d = optim::global_grad_norm(dense, shard_comm_, s);
     const double e = optim::global_grad_norm(expert, expert_norm_comm_, s);
     return std::sqrt(d * d + e * e);
+  }
+
+  void check_lm_head(const char* where) const {
+    SLIME_CHECK(lm_head_unit_ < units_.size(), "Sharded::", where, ": the module has no unit holding an LM head");
   }
 
   void check_onloaded(const char* where) const {

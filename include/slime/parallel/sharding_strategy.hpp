@@ -46,13 +46,20 @@ struct HybridShard {
   static constexpr bool reshard_after_forward = true, reshard_after_backward = true;
 };
 
+// Any tag type with these four traits is a strategy (a user-defined one
+// works without editing the library); Sharded reads nothing else:
+//   shards && replicates:   shard over the mesh's dp_shard, replicate over
+//                           dp_replicate (needs a Mesh), as HybridShard;
+//   shards only:            shard over the group (FullShard, ShardGradOp);
+//   replicates only:        replicate over it (NoShard).
 template <class S>
 concept ShardingStrategy = requires {
   { S::shards } -> std::convertible_to<bool>;
   { S::replicates } -> std::convertible_to<bool>;
   { S::reshard_after_forward } -> std::convertible_to<bool>;
   { S::reshard_after_backward } -> std::convertible_to<bool>;
-};
+}
+&&(S::shards || S::replicates);
 
 // Dtypes of the three copies of a parameter. `compute`: the gathered
 // parameters the modules run with (unset: the module's dtype, bf16 for a GPU

@@ -54,14 +54,15 @@ class ReferenceModel {
   explicit ReferenceModel(Model& policy, ReferenceModelConfig config = {}, const Stream& stream = {})
       : ReferenceModel(Model(policy.config(), policy.options()), policy, config, stream) {}
 
-  // A policy built with expert parallelism (`ep`, which must outlive this):
-  // the reference holds the same experts' slice, and its forward exchanges
-  // tokens over the ep group like the policy's, so every ep rank must score
-  // the same number of micro-batches. Model must be constructible from
-  // (config(), options(), ep).
-  ReferenceModel(Model& policy, parallel::ExpertParallel<>* ep, ReferenceModelConfig config = {},
+  // A policy built with a token dispatcher (expert parallelism: `dispatcher`
+  // is its parallel::ExpertParallel, which must outlive this): the reference
+  // holds the same experts' slice, and its forward exchanges tokens over the
+  // ep group like the policy's, so every ep rank must score the same number
+  // of micro-batches. Model must be constructible from (config(), options(),
+  // dispatcher).
+  ReferenceModel(Model& policy, nn::DispatcherRef dispatcher, ReferenceModelConfig config = {},
                  const Stream& stream = {})
-      : ReferenceModel(Model(policy.config(), policy.options(), ep), policy, config, stream) {}
+      : ReferenceModel(Model(policy.config(), policy.options(), dispatcher), policy, config, stream) {}
 
  private:
   ReferenceModel(Model&& fresh, Model& policy, ReferenceModelConfig config, const Stream& stream)

@@ -1,6 +1,8 @@
 // slime/ops/cpu/router.hpp: CPU reference of the Qwen3-MoE router (softmax
 // over experts, top-k, optional renormalisation) and of the load-balancing
-// auxiliary loss, forward and backward, on raw pointers.
+// auxiliary loss, forward and backward, on raw pointers; the loss is written
+// as statistics (router_aux_stats) and the loss and gradient from them, which
+// also serve rows sharded over data-parallel ranks (see ops/router.hpp).
 //
 // Accumulation contract: parameter gradients accumulate (`+=`) in fp32 (the
 // router has none here; the gate weight's gradient is a Linear's); activation
@@ -111,46 +113,50 @@ void router_backward(const P* probs, const int32_t* indices, const TW* dweights,
   }
 }
 
-// Per-expert statistics of the auxiliary loss over `rows` rows: counts[e] =
-// number of (row, slot) choices of e; prob_sum[e] = Σ_t probs[t, e].
+// The auxiliary loss's statistics over `rows` rows, in one flat [2E + 1]
+// vector so that a sum over shards of the rows (one all_reduce) makes them
+// those of all the rows (E = experts):
+//   stats[e]      = count_e, how many of the rows' (row, slot) choices picked e
+//   stats[E + e]  = Σ_t probs[t, e], summed over the rows in order
+//   stats[2E]     = rows
+// Counts are counted in int64 and rounded once into P.
 template <class P>
-void router_aux_stats(const P* probs, const int32_t* indices, int64_t rows, int64_t experts, int64_t k,
-                      std::vector<int64_t>& counts, std::vector<P>& prob_sum) {
-  counts.assign(static_cast<std::size_t>(experts), 0);
-  prob_sum.assign(static_cast<std::size_t>(experts), P(0));
+void router_aux_stats(const P* probs, const int32_t* indices, int64_t rows, int64_t experts, int64_t k, P* stats) {
+  std::vector<int64_t> counts(static_cast<std::size_t>(experts), 0);
+  P* prob_sum = stats + experts;
+  std::fill(prob_sum, prob_sum + experts, P(0));
   for (int64_t t = 0; t < rows; ++t) {
     for (int64_t j = 0; j < k; ++j) ++counts[std::size_t(indices[t * k + j])];
-    for (int64_t e = 0; e < experts; ++e) prob_sum[std::size_t(e)] += probs[t * experts + e];
+    for (int64_t e = 0; e < experts; ++e) prob_sum[e] += probs[t * experts + e];
   }
+  for (int64_t e = 0; e < experts; ++e) stats[e] = P(counts[std::size_t(e)]);
+  stats[2 * experts] = P(rows);
 }
 
-// loss = E · Σ_e (counts[e] / rows) · (prob_sum[e] / rows); 0 when rows = 0
-// (transformers would give NaN, a mean over nothing).
+// loss = E · Σ_e (count_e / N) · (prob_sum_e / N) from stats [2E + 1]
+// (router_aux_stats's layout), N = stats[2E]; 0 when N = 0 (transformers
+// would give NaN, a mean over nothing).
 template <class P>
-P router_aux_loss_forward(const P* probs, const int32_t* indices, int64_t rows, int64_t experts, int64_t k) {
-  if (rows == 0) return P(0);
-  std::vector<int64_t> counts;
-  std::vector<P> prob_sum;
-  router_aux_stats(probs, indices, rows, experts, k, counts, prob_sum);
+P router_aux_loss_from_stats(const P* stats, int64_t experts) {
+  const P n = stats[2 * experts];
+  if (n == P(0)) return P(0);
   P loss = 0;
-  for (int64_t e = 0; e < experts; ++e)
-    loss += (P(counts[std::size_t(e)]) / P(rows)) * (prob_sum[std::size_t(e)] / P(rows));
+  for (int64_t e = 0; e < experts; ++e) loss += (stats[e] / n) * (stats[experts + e] / n);
   return P(experts) * loss;
 }
 
-// dlogits[t, e] of dloss · loss, through the mean probabilities only (the
-// counts come from top-k and are constant): with g_e = dloss · E · counts[e] /
-// rows², dlogits[t, e] = p[t, e] · (g_e − Σ_f p[t, f] g_f) (= or += with
-// accumulate).
+// dlogits [rows, E] of dloss · loss for `rows` rows of probs, the loss being
+// that of the (possibly larger) set of N rows that stats [2E + 1] describes
+// (N = stats[2E]; these rows among them). Through the mean probabilities only
+// (the counts come from top-k and are constant): with g_e = dloss · E ·
+// count_e / N², dlogits[t, e] = p[t, e] · (g_e − Σ_f p[t, f] g_f) (= or +=
+// with accumulate); g = 0 when N = 0.
 template <class P, class TG>
-void router_aux_loss_backward(const P* probs, const int32_t* indices, int64_t rows, int64_t experts, int64_t k, P dloss,
-                              TG* dlogits, bool accumulate = false) {
-  if (rows == 0) return;
-  std::vector<int64_t> counts;
-  std::vector<P> prob_sum, g(static_cast<std::size_t>(experts));
-  router_aux_stats(probs, indices, rows, experts, k, counts, prob_sum);
-  for (int64_t e = 0; e < experts; ++e)
-    g[std::size_t(e)] = dloss * P(experts) * P(counts[std::size_t(e)]) / (P(rows) * P(rows));
+void router_aux_loss_backward_from_stats(const P* probs, int64_t rows, int64_t experts, const P* stats, P dloss,
+                                         TG* dlogits, bool accumulate = false) {
+  const P n = stats[2 * experts];
+  std::vector<P> g(static_cast<std::size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) g[std::size_t(e)] = n == P(0) ? P(0) : dloss * P(experts) * stats[e] / (n * n);
   for (int64_t t = 0; t < rows; ++t) {
     const P* p = probs + t * experts;
     P dot = 0;
@@ -161,6 +167,26 @@ void router_aux_loss_backward(const P* probs, const int32_t* indices, int64_t ro
       out[e] = memops::from_acc<TG>(accumulate ? memops::to_acc<P>(out[e]) + d : d);
     }
   }
+}
+
+// The auxiliary loss over `rows` rows: router_aux_loss_from_stats of their
+// router_aux_stats.
+template <class P>
+P router_aux_loss_forward(const P* probs, const int32_t* indices, int64_t rows, int64_t experts, int64_t k) {
+  std::vector<P> stats(static_cast<std::size_t>(2 * experts + 1));
+  router_aux_stats(probs, indices, rows, experts, k, stats.data());
+  return router_aux_loss_from_stats(stats.data(), experts);
+}
+
+// dlogits [rows, E] of dloss · router_aux_loss_forward over the same rows (=
+// or += with accumulate).
+template <class P, class TG>
+void router_aux_loss_backward(const P* probs, const int32_t* indices, int64_t rows, int64_t experts, int64_t k, P dloss,
+                              TG* dlogits, bool accumulate = false) {
+  if (rows == 0) return;
+  std::vector<P> stats(static_cast<std::size_t>(2 * experts + 1));
+  router_aux_stats(probs, indices, rows, experts, k, stats.data());
+  router_aux_loss_backward_from_stats(probs, rows, experts, stats.data(), dloss, dlogits, accumulate);
 }
 
 }  // namespace slime::ops::cpu

@@ -10,7 +10,11 @@
 // [0, E) in indices are skipped by the backward and the auxiliary loss (the
 // CPU path rejects them). Deterministic run to run: no float atomics; the
 // auxiliary loss sums per-expert column sums in fixed row chunks, then the
-// chunks in order (two stages); counts use integer atomics (exact).
+// chunks in order (two stages); counts use integer atomics (exact). The
+// loss and its backward read the statistics through one code path whether
+// they come from the workspace (router_aux_loss_forward / _backward) or from
+// router_aux_stats's flat f32 vector (the _from_stats calls), so both give
+// the same bits for the same rows.
 #pragma once
 
 #include <cstddef>
@@ -57,7 +61,20 @@ struct RouterAuxParams {
   std::size_t workspace_bytes;
 };
 
-// Bytes of workspace the auxiliary-loss forward and backward need.
+// The backward of the auxiliary loss from statistics (router_aux_stats's
+// [2E + 1] layout, see slime/ops/router.hpp) of a set of rows that includes
+// these `rows`.
+struct RouterAuxFromStatsParams {
+  const float* probs;  // [rows, experts]
+  int64_t rows, experts;
+  const float* stats;  // [2 experts + 1]: counts, prob sums, N
+  float dloss;
+  void* dlogits;  // [rows, experts] of dlogits_dtype; = or += with accumulate
+  DType dlogits_dtype;
+  bool accumulate;
+};
+
+// Bytes of workspace the auxiliary-loss forward and backward (and router_aux_stats) need.
 std::size_t router_aux_loss_workspace_bytes(int64_t rows, int64_t experts);
 
 void router_forward(const RouterForwardParams& p, StreamHandle stream);
@@ -69,6 +86,16 @@ void router_aux_loss_forward(const RouterAuxParams& p, float* loss, StreamHandle
 // dlogits [rows, experts] (dlogits_dtype; = or += with accumulate) of dloss · loss.
 void router_aux_loss_backward(const RouterAuxParams& p, float dloss, void* dlogits, DType dlogits_dtype,
                               bool accumulate, StreamHandle stream);
+
+// stats [2E + 1] (device f32; = or += with accumulate) = the counts, prob
+// sums and row count of p's rows; the prob sums are the forward's (same
+// chunks, same order).
+void router_aux_stats(const RouterAuxParams& p, float* stats, bool accumulate, StreamHandle stream);
+
+// *loss (device f32) = the loss of the rows stats [2E + 1] describes; 0 for N = 0.
+void router_aux_loss_from_stats(const float* stats, int64_t experts, float* loss, StreamHandle stream);
+
+void router_aux_loss_backward_from_stats(const RouterAuxFromStatsParams& p, StreamHandle stream);
 
 }  // namespace slime::ops::cuda
 #endif

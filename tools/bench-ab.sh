@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# tools/bench-ab.sh: benchmark this tree against a baseline tree in the same
+# run on the GPU machine, each beside its PyTorch baseline.
+#
+#   BASE=<dir with the baseline sources> tools/bench-ab.sh fsdp moe rollout
+#
+# (e.g. `git archive <commit> | tar -x -C .base` before the call, with .base
+# ignored by git and carried). Builds bench_<family> of both trees (Release,
+# sm_90a, in parallel), runs them alternately (base, head, base, head: ROUNDS,
+# default 2) so drift of the machine hits both, runs each family's PyTorch
+# baseline once, and prints per benchmark the median time of each tree over
+# the rounds, head / base, and torch / slime for both (> 1: slime faster).
+# JSON and logs go to ${OUT:-build/ab}.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+: "${BASE:?set BASE to the baseline source tree}"
+BASE=$(cd "$BASE" && pwd)
+OUT_DIR=${OUT:-build/ab}
+ROUNDS=${ROUNDS:-2}
+JOBS=$(nproc 2>/dev/null || echo 8)
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+families=("$@")
+((${#families[@]})) || families=(fsdp moe rollout)
+targets=()
+for f in "${families[@]}"; do targets+=("bench_$f"); done
+
+build() {  # build SRC DIR: configure and build the benchmark targets
+  cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSLIME_ENABLE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a \
+    -DSLIME_BUILD_TESTS=OFF -DSLIME_BUILD_EXAMPLES=OFF >"$OUT_DIR/configure-$3.log" 2>&1 &&
+    cmake --build "$2" -j $((JOBS / 2)) --target "${targets[@]}" >"$OUT_DIR/build-$3.log" 2>&1
+}
+t0=$SECONDS
+build . build/ab-head head &
+head_pid=$!
+build "$BASE" "$BASE/build/ab-base" base &
+base_pid=$!
+wait $head_pid || { echo "head build failed:"; tail -n 30 "$OUT_DIR/build-head.log"; exit 1; }
+wait $base_pid || { echo "base build failed:"; tail -n 30 "$OUT_DIR/build-base.log"; exit 1; }
+echo "built both trees in $((SECONDS - t0)) s"
+
+for ((r = 1; r <= ROUNDS; ++r)); do
+  for f in "${families[@]}"; do
+    for side in base head; do
+      dir=build/ab-head
+      [[ $side == base ]] && dir=$BASE/build/ab-base
+      json="$OUT_DIR/${side}_${f}_$r.json"
+      t=$SECONDS
+      (cd "$([[ $side == base ]] && echo "$BASE" || echo .)" &&
+        timeout 240 "$dir/bench/bench_$f" --benchmark_out="$json" --benchmark_out_format=json) \
+        >"$OUT_DIR/${side}_${f}_$r.log" 2>&1 || echo "bench_$f ($side, round $r) failed: $OUT_DIR/${side}_${f}_$r.log"
+      echo "round $r $f $side: $((SECONDS - t)) s"
+    done
+  done
+done
+
+for f in "${families[@]}"; do
+  if [[ $f == fsdp ]]; then
+    timeout 240 python3 bench/torch_fsdp2.py --out "$OUT_DIR/torch_fsdp.json" >"$OUT_DIR/torch_fsdp.log" 2>&1 ||
+      echo "torch_fsdp2 failed: $OUT_DIR/torch_fsdp.log"
+  elif [[ -f bench/torch_$f.py ]]; then
+    timeout 240 python3 "bench/torch_$f.py" --out "$OUT_DIR/torch_$f.json" >"$OUT_DIR/torch_$f.log" 2>&1 ||
+      echo "torch_$f failed: $OUT_DIR/torch_$f.log"
+  fi
+done
+
+for f in "${families[@]}"; do
+  echo "==== $f: torch beside head (last round)"
+  if [[ $f == fsdp ]]; then
+    python3 bench/torch_fsdp2.py --table --slime "$OUT_DIR/head_fsdp_$ROUNDS.json" --out "$OUT_DIR/torch_fsdp.json"
+    echo "==== $f: torch beside base (last round)"
+    python3 bench/torch_fsdp2.py --table --slime "$OUT_DIR/base_fsdp_$ROUNDS.json" --out "$OUT_DIR/torch_fsdp.json"
+  elif [[ -f $OUT_DIR/torch_$f.json ]]; then
+    python3 bench/compare_ops.py --slime "$OUT_DIR/head_${f}_$ROUNDS.json" --torch "$OUT_DIR/torch_$f.json"
+    echo "==== $f: torch beside base (last round)"
+    python3 bench/compare_ops.py --slime "$OUT_DIR/base_${f}_$ROUNDS.json" --torch "$OUT_DIR/torch_$f.json"
+  fi
+done
+
+echo "==== head / base, median real time over $ROUNDS rounds (< 1: head faster)"
+python3 - "$OUT_DIR" "$ROUNDS" "${families[@]}" <<'EOF'
+import json, statistics, sys
+out, rounds, fams = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def times(path):
+    try:
+        rows = json.load(open(path))["benchmarks"]
+    except Exception:
+        return {}
+    return {b["name"]: b["real_time"] for b in rows if b.get("run_type", "iteration") == "iteration"}
+print(f"{'benchmark':64s} {'base':>12s} {'head':>12s} {'head/base':>9s}")
+for f in fams:
+    base = [times(f"{out}/base_{f}_{r}.json") for r in range(1, rounds + 1)]
+    head = [times(f"{out}/head_{f}_{r}.json") for r in range(1, rounds + 1)]
+    for name in sorted(set().union(*head) if head else []):
+        b = [t[name] for t in base if name in t]
+        h = [t[name] for t in head if name in t]
+        if not b or not h:
+            print(f"{name[:64]:64s} {'-':>12s} {statistics.median(h):12.1f} {'(new)':>9s}")
+            continue
+        mb, mh = statistics.median(b), statistics.median(h)
+        print(f"{name[:64]:64s} {mb:12.1f} {mh:12.1f} {mh / mb:9.3f}")
+EOF
