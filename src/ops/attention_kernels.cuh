@@ -4,7 +4,8 @@
 // the per-variant translation units attention_{fwd,bwd}_hd{64,128}.cu.
 //
 // Tensor cores through mma.sync.m16n8k16 (bf16 in, fp32 accumulate), operands
-// from shared memory by ldmatrix, tiles loaded by cp.async (double-buffered).
+// from shared memory by ldmatrix, tiles loaded by cp.async (double-buffered);
+// the PTX wrappers are in ptx.cuh.
 // Shared-memory rows are padded by 16 bytes (row stride d + 8 elements), so the
 // 8 row addresses of one ldmatrix 8x8 matrix fall in 8 distinct 16-byte bank
 // groups (no conflicts) and every 16-byte cp.async destination stays aligned.
@@ -37,71 +38,62 @@
 // per SM; LDSM = ldmatrix.x4 per warp, counted in the SASS):
 //   fwd d 128: 214-216 / 0 / 102 KB / 1 (8 warps); 32 LDSM per 64 HMMA.
 //   fwd d 64:  254-255 / 0 / 54 KB / 2 (4 warps each, 8 warps per SM);
-//              32 LDSM per 128 HMMA (was 128 capped, 20-24 B spill, 8 warps
-//              x 16 rows, 2 CTAs = 16 warps per SM, 32 LDSM per 64 HMMA).
-//   bwd d 128: 255 / 0 (full), 4 B (causal; was 8) / 173 KB (was 155) / 1;
-//              per step 176 LDSM per 320 HMMA (was 184), 1 barrier (was 3).
-//   bwd d 64:  237-242 (was 225-229) / 0 / 109 KB (was 91) / 1; per step 88
-//              LDSM per 160 HMMA (was 96), 1 barrier (was 3).
+//              32 LDSM per 128 HMMA.
+//   bwd d 128: 255 / 0 (full), 4 B (causal) / 173 KB / 1; per step 176 LDSM
+//              per 320 HMMA, 1 barrier.
+//   bwd d 64:  237-242 / 0 / 109 KB / 1; per step 88 LDSM per 160 HMMA,
+//              1 barrier.
 //   The printf of check_sequence costs ~16-24 bytes of stack on the cold path.
+// Measured times: README's benchmark table and bench/RESULTS.md.
 //
-// Tuning done without a GPU to measure (2026-11), with the gain predicted from
-// the design (H200 before: fwd / bwd time vs torch SDPA FLASH, causal, 16
-// heads: d128 1x4096 0.99 / 0.72, d128 4x1024 0.96 / 0.78, d64 1x2048 0.84 /
-// 0.77, d64 4x512 0.98 / faster). Model: a warp's ldmatrix.x4 moves 512 B of
-// shared memory (4 of the SM's 128 B/clk), an m16n8k16 mma is 4096 FLOP, and
-// mma.sync peaks at ~2/3 of the dense bf16 rate, ~1.5 clk per mma per SM, so
-// more than ~0.37 LDSM per mma makes a loop shared-memory bound.
+// Design model: a warp's ldmatrix.x4 moves 512 B of shared memory (4 of the
+// SM's 128 B/clk), an m16n8k16 mma is 4096 FLOP, and mma.sync peaks at ~2/3
+// of the dense bf16 rate, ~1.5 clk per mma per SM, so more than ~0.37 LDSM
+// per mma makes a loop shared-memory bound. Hence:
 //  1. Forward d = 64: each warp owns 2 m-tiles (32 query rows), BM 128 with 4
 //     warps (FA2's d 64 shape), so every K and V fragment feeds 2 mma: 0.25
 //     LDSM per mma instead of 0.5 (0.031 instead of 0.0625 B of shared memory
-//     per FLOP), and the 128-register cap and its spill are gone; warps per SM
-//     halve (16 -> 8), each with twice the independent mma. Predicted: d64
-//     fwd 77 -> ~64-68 us at 1x2048, 25.7 -> ~23 us at 4x512 (to ~0.95 of
-//     FLASH). Risk: less latency hiding at 8 warps per SM. d = 128 keeps one
-//     m-tile (two would need > 255 registers).
+//     per FLOP), within 255 registers and no spill; 8 warps per SM, each with
+//     twice the independent mma. d = 128 keeps one m-tile (two would need >
+//     255 registers).
 //  2. Backward, dQ_partial split 2 x 4 warps (32 x 32 each) at d = 128
 //     instead of 4 x 2 (16 x 64): 32 instead of 40 LDSM per 64 mma in that
-//     product, 184 -> 176 per step (-4%).
-//  3. Backward, one barrier per step instead of three: dS^T is double
-//     buffered (+18 KB shared memory, still 1 CTA per SM at both d) and the
-//     dQ_partial of step it runs after the barrier of step it + 1; the Q / dO
-//     refill is issued after that barrier. The end-of-step barrier was
-//     redundant; the middle one (dS^T complete) now coincides with the next
-//     step's top barrier. The dQ product, its 16 (d 128) red.v2 per thread and
-//     the next step's S^T / dP^T of other warps now overlap instead of all 8
-//     warps draining at each barrier. Predicted: 5-10% of backward time.
+//     product.
+//  3. Backward, one barrier per step: dS^T is double buffered (+18 KB shared
+//     memory, still 1 CTA per SM at both d) and the dQ_partial of step it
+//     runs after the barrier of step it + 1; the Q / dO refill is issued
+//     after that barrier. The dQ product, its 16 (d 128) red.v2 per thread
+//     and the next step's S^T / dP^T of other warps overlap instead of all 8
+//     warps draining at each barrier.
 //  4. Backward d = 64: the warp's K and V A fragments stay in registers (32
-//     registers, no spill): 96 -> 88 LDSM per step (-8%).
-//  Predicted backward: d128 1x4096 1062 -> ~960-1000 us (0.72 -> ~0.78 of
-//  FLASH), d128 4x1024 350 -> ~320-330, d64 1x2048 221 -> ~195-205 (0.77 ->
-//  ~0.85), d64 4x512 81 -> ~75. fwd + bwd: d128 ~0.80-0.83, d64 ~0.85-0.9.
-//  If the GPU run shows a regression: FwdConfig::kMTiles / kWarps (1 / 8 with
-//  kMinBlocks 2 is the old d 64 forward), BwdConfig::kKVInRegs and kWarpsM
-//  (kBlockM / 16 is the old dQ split) are single constants.
+//     registers, no spill): 88 instead of 96 LDSM per step.
+//  Each choice is one constant: FwdConfig::kMTiles / kWarps / kMinBlocks,
+//  BwdConfig::kKVInRegs and kWarpsM.
 //
 // What would be tuned next: the backward is still shared-memory bound (0.55
 // LDSM per mma at d 128: every warp reads the whole Q and dO tile twice, as B
 // of S^T / dP^T and as B of dK / dV); FA2's layout (warps 2 x 4 over the 64 x
 // 128 S and dP tiles, P and dS through shared memory, dK / dV split 4 x 2 over
-// keys x d) needs ~144 LDSM + 32 stores per step (-18%); a second backward CTA
-// per SM is blocked by registers, not shared memory (d 64 at 128 registers
-// spills ~240 B); BN 128 for the d 64 forward (needs Q out of registers);
-// splitting the K and V cp.async groups so that the softmax overlaps the V
-// load; staging o through shared memory for 16-byte stores; red.v4 for dq
-// (pairs of lanes swap halves: half the red instructions, same sectors); a
-// persistent, longest-first tile scheduler for varlen batches (the backward
-// grid already starts the longest causal key blocks first); a deterministic
-// dq (a second kernel iterating key blocks per query block, at 3 more
-// products of the 5); and in the end a wgmma (sm_90a) rewrite with TMA loads
-// and warp specialisation (FA3).
+// keys x d) needs ~144 LDSM + 32 stores per step instead of 176; a second
+// backward CTA per SM is blocked by registers, not shared memory (d 64 at 128
+// registers spills ~240 B); BN 128 for the d 64 forward (needs Q out of
+// registers); splitting the K and V cp.async groups so that the softmax
+// overlaps the V load; staging o through shared memory for 16-byte stores;
+// red.v4 for dq (pairs of lanes swap halves: half the red instructions, same
+// sectors); a persistent, longest-first tile scheduler for varlen batches (the
+// backward grid already starts the longest causal key blocks first); a
+// deterministic dq (a second kernel iterating key blocks per query block, at 3
+// more products of the 5); and in the end a wgmma (sm_90a) rewrite with TMA
+// loads and warp specialisation (FA3).
 //
 // Host emulation: tests/ops/test_attention.cpp defines SLIME_ATTENTION_EMULATION
 // and runs these kernel bodies on the CPU (threads as fibers; ldmatrix, mma,
 // shuffles and cp.async emulated from the PTX ISA's definitions), so that CI
 // without a GPU checks the fragment index math. Under that macro this file
-// leaves out the PTX wrappers (the test supplies its own) and the launchers,
-// and takes dynamic shared memory from SLIME_ATTENTION_DYNAMIC_SMEM.
+// leaves out ptx.cuh (the test supplies its own cp_async_*, ldmatrix_x4* and
+// mma_bf16) and the launchers, and takes dynamic shared memory from
+// SLIME_ATTENTION_DYNAMIC_SMEM. The shuffles here (quad_max, quad_sum, the
+// preprocess's row sum) stay in this file for that reason.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -114,6 +106,7 @@
 #include "slime/ops/cuda/attention.hpp"
 
 #if !defined(SLIME_ATTENTION_EMULATION)
+#include "ptx.cuh"
 #define SLIME_ATTENTION_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
@@ -125,45 +118,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 #if !defined(SLIME_ATTENTION_EMULATION)
-// ---- PTX wrappers --------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared; when !full the destination is zero-filled and
-// nothing is read (src must still be a valid address).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool full) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(full ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-
-// c += a * b for one m16n8k16 tile.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-#endif  // !SLIME_ATTENTION_EMULATION
+using namespace ::slime::ops::detail::ptx;  // cp_async_*, ldmatrix_x4*, mma_bf16
+#endif
 
 // Two floats -> bf16x2 (round to nearest even); `lo` in the low half, which is
 // the lower column index in every fragment.
@@ -253,7 +209,7 @@ __device__ __forceinline__ void check_sequence(const int32_t* cu, int b, int num
 //   d = 128: BM 128, BN 64, 8 warps, 1 CTA/SM: 104 KB smem, <= 255 registers.
 //   d = 64:  BM 128 (4 warps x 2 m-tiles), BN 64, 2 CTAs/SM: 54 KB smem,
 //            <= 255 registers.
-// Chosen by construction (as FA2's shapes), not yet by measurement.
+// Chosen by construction (as FA2's shapes).
 template <int kD>
 struct FwdConfig {
   static constexpr int kHeadDim = kD;

@@ -12,7 +12,7 @@
 // MN-major [BK][rows + 8]); the 16-byte row padding keeps the 8 row addresses
 // of every ldmatrix in distinct bank groups. MN-major operands are read with
 // ldmatrix.trans, which yields the same fragments (layouts as in
-// attention_kernels.cuh, whose PTX wrappers this file uses).
+// attention_kernels.cuh; the PTX wrappers are in ptx.cuh).
 //
 // Scheduling: one CTA per output tile, no persistent loop, so the hardware
 // block scheduler balances tiles of unequal cost (wgrad tiles cost ∝ n_e).
@@ -20,7 +20,7 @@
 //     then m-tile, then n-tile, so neighbouring CTAs share A rows and sweep
 //     w_e, which stays in L2); each CTA finds its group by a block-wide prefix
 //     sum of the per-group tile counts read from the device offsets (E loads
-//     and a scan, ~1 us, overlapped by the other resident CTAs). The grid is
+//     and a scan, overlapped by the other resident CTAs). The grid is
 //     the upper bound ceil(rows / BM) + E m-tiles times the n-tiles; CTAs past
 //     the real count exit at once.
 //   backward_weight: tile t = (expert, m-tile, n-tile) directly; experts with
@@ -42,7 +42,7 @@
 #include <cstdio>
 #include <type_traits>
 
-#include "attention_kernels.cuh"  // PTX wrappers: cp.async, ldmatrix, mma.sync
+#include "ptx.cuh"
 #include "slime/core/error.hpp"
 
 namespace slime::ops::cuda {
@@ -54,13 +54,8 @@ void check_grouped_gemm_host_offsets(const int32_t* o, int64_t experts, int64_t 
 
 namespace {
 
-using attention_impl::bf16;
-using attention_impl::cp_async_16;
-using attention_impl::cp_async_commit;
-using attention_impl::cp_async_wait;
-using attention_impl::ldmatrix_x4;
-using attention_impl::ldmatrix_x4_trans;
-using attention_impl::mma_bf16;
+using namespace ::slime::ops::detail::ptx;
+using bf16 = __nv_bfloat16;
 
 using Pass = GroupedGemmPass;
 
@@ -111,9 +106,11 @@ struct Smem {
 //   m128n128k64: 250 / 254 / 246 regs, 108 / 105 / 102 KB, 2 CTAs (8 warps) per SM
 // All have a 64 x 64 warp tile: per k16 step 4 + 4 ldmatrix.x4 feed 32 mma
 // (0.25 LDSM per mma, under the ~0.37 where a loop turns shared-memory bound;
-// see attention_kernels.cuh). Not measured yet; expected order for the large
-// MoE shapes: m128n256k64 (half the global->shared traffic per FLOP of the
-// 128 x 128 tiles, fewest barriers) >= m128n128k64 > m128n128k32.
+// see attention_kernels.cuh). m128n256k64 moves 3/4 of the global->shared
+// bytes per FLOP of the 128 x 128 tiles (1 / BM + 1 / BN per multiply-add) and
+// has the fewest barriers per FLOP.
+// Measured: README's benchmark table; bench_grouped_gemm's /tile:<name> rows
+// time each configuration.
 using CfgM128N128K32 = TileConfig<128, 128, 32, 2, 2, 4, 2>;
 using CfgM128N256K64 = TileConfig<128, 256, 64, 2, 4, 3, 1>;
 using CfgM128N128K64 = TileConfig<128, 128, 64, 2, 2, 3, 2>;
@@ -155,12 +152,7 @@ __device__ TileCoord locate_tile(const int32_t* __restrict__ offsets, int expert
       if (n < 0) offsets_trap("offsets decrease", e, r0, r0 + n);
       tiles = (n + kBM - 1) / kBM * n_tiles;
     }
-    int incl = tiles;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
+    const int incl = warp_inclusive_scan(tiles, lane);
     if (lane == 31) s_scan[warp] = incl;
     __syncthreads();
     int before = carry, chunk = 0;
@@ -551,9 +543,9 @@ void dispatch_pass(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_
 }  // namespace
 
 // The dispatcher's table. Chosen by construction (a 64 x 64 warp tile: 0.25
-// ldmatrix.x4 per mma; the widest CTA tile that the N extent fills), not yet
-// by measurement: bench_grouped_gemm's "/tile:<name>" rows compare all of them
-// on the Qwen3-30B-A3B shapes; change the returns below to the winners.
+// ldmatrix.x4 per mma; the widest CTA tile that the N extent fills);
+// bench_grouped_gemm's "/tile:<name>" rows compare all of them on the
+// Qwen3-30B-A3B shapes.
 GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p) {
   if (p.tile != GroupedGemmTile::automatic) return p.tile;
   if (!tensor_core_ok(p)) return GroupedGemmTile::simple;

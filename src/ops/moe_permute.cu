@@ -34,6 +34,7 @@
 #include <type_traits>
 
 #include "memops.cuh"
+#include "ptx.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cuda/moe_permute.hpp"
 
@@ -41,6 +42,8 @@ namespace slime::ops::cuda {
 namespace {
 
 using namespace ::slime::ops::detail::memops;
+using ::slime::ops::detail::ptx::warp_inclusive_scan;
+using ::slime::ops::detail::ptx::warp_sum;
 
 constexpr int kThreads = 128;  // per token block
 constexpr int kWarps = kThreads / 32;
@@ -76,12 +79,7 @@ __global__ void layout_offsets_kernel(const int32_t* counts, int E, int32_t* off
   if (lane == 0) offsets[0] = 0;
   for (int base = 0; base < E; base += 32) {
     const int e = base + lane;
-    int v = e < E ? counts[e] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int u = __shfl_up_sync(0xffffffffu, v, o);
-      if (lane >= o) v += u;
-    }
+    const int v = warp_inclusive_scan(e < E ? counts[e] : 0, lane);
     if (e < E) offsets[e + 1] = carry + v;
     carry += __shfl_sync(0xffffffffu, v, 31);
   }
@@ -260,12 +258,7 @@ __global__ void __launch_bounds__(kThreads)
       }
       // Block sums of the slots' dot products, in a fixed order.
 #pragma unroll
-      for (int s = 0; s < kDotSlots; ++s) {
-        float x = dot[s];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-        dot[s] = x;
-      }
+      for (int s = 0; s < kDotSlots; ++s) dot[s] = warp_sum(dot[s]);
       __syncthreads();  // the previous pass's reads of scratch are over
       if (lane == 0)
 #pragma unroll

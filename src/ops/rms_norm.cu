@@ -18,24 +18,16 @@
 // GPU model, so dw is the same bits run to run on one kind of GPU. (A fixed B
 // independent of the GPU would leave a partial last wave of blocks.)
 //
-// Backward performance (H200, 132 SMs; bf16 16384 x 4096, copy 4090 GB/s):
-//   bytes moved: x, dy read and dx written, 3 x 2 x 16384 x 4096 = 402.7 MB
-//   (+ w, rstd, dw: 0.1 MB) + the dw partials, B x dim x 4 bytes written and
-//   read once: B = 264 blocks (2 of 512 threads per SM), 2 x 4.3 MB = 8.7 MB;
-//   411.4 MB in all, 100.6 us at copy bandwidth.
-//   Before: 186 us (53% of copy). Config<128, 4> held 32 elements of the
-//   row per thread; the weights' fp32 conversions were hoisted out of the
-//   row loop and spilled (84 bytes stored, 156 loaded per thread, LDL twice
-//   per row), and each x / dy vector pair was loaded inside the math loop
-//   behind a branch: one 32-byte round trip at a time, 4 per row, with 512
-//   threads per SM (16 KB in flight per SM; about 30 KB is needed).
-//   Now: at most 8 elements per thread (Config<512, 1> at dim 4096, 61
-//   registers, no spill, 1024 threads per SM), every load of a row issued
-//   before the math (x, dy: LDG.E.128 from memory; w: LDG.E.128 from L1),
-//   32 KB of x and dy in flight per SM.
-//   Prediction: about 130 us (~3.1 TB/s of algorithmic traffic, ~76% of
-//   copy) at D = 4096; about 66 us (~76%) at D = 2048 (Config<256, 1>, 4
-//   blocks of 256 per SM, 528 partial rows: 201.3 + 8.7 MB). Not yet measured.
+// Backward traffic (bf16 16384 x 4096 on 132 SMs): x, dy read and dx
+// written, 3 x 2 x 16384 x 4096 = 402.7 MB (+ w, rstd, dw: 0.1 MB) + the dw
+// partials, B x dim x 4 bytes written and read once: B = 264 blocks (2 of 512
+// threads per SM), 2 x 4.3 MB = 8.7 MB; 411.4 MB in all.
+// Each thread holds at most 8 elements of a row (Config<512, 1> at dim 4096:
+// 61 registers, no spill, 1024 threads per SM) and issues every load of a row
+// before the math (x, dy: LDG.E.128 from memory; w: LDG.E.128 from L1), so
+// 32 KB of x and dy are in flight per SM (about 30 KB are needed to cover the
+// memory latency at copy bandwidth).
+// Measured: README's benchmark table and bench/RESULTS.md.
 //
 // Launch shapes (tuning as data): the smallest configuration whose capacity
 // kGroup * kIters * kVec covers dim, from the list in with_config(). With
@@ -50,6 +42,7 @@
 #include <mutex>
 
 #include "memops.cuh"
+#include "ptx.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cuda/rms_norm.hpp"
 
@@ -74,9 +67,7 @@ struct Config {
 // gets the same bits. red: kBlock / 32 floats of shared memory.
 template <int kGroup, int kBlock>
 __device__ __forceinline__ float group_sum(float v, float* red) {
-  constexpr int kWarpWidth = kGroup < 32 ? kGroup : 32;
-#pragma unroll
-  for (int o = kWarpWidth / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = ::slime::ops::detail::ptx::warp_sum<(kGroup < 32 ? kGroup : 32)>(v);
   if constexpr (kGroup <= 32) {
     return v;
   } else {

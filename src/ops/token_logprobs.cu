@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ptx.cuh"
 #include "slime/core/device.hpp"
 #include "slime/ops/cuda/linear.hpp"
 #include "slime/ops/cuda/token_logprobs.hpp"
@@ -38,26 +39,20 @@ static_assert(int64_t(kThreads) * 4 * kMaxItems == kTokenLogprobsMaxVocabChunk,
               "kTokenLogprobsMaxVocabChunk must match the kernels' register tile");
 
 // ---- device helpers ------------------------------------------------------------
-struct MaxOp {
-  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-struct SumOp {
-  __device__ float operator()(float a, float b) const { return a + b; }
-};
+using ::slime::ops::detail::ptx::MaxOp;
+using ::slime::ops::detail::ptx::SumOp;
+using ::slime::ops::detail::ptx::warp_reduce;
 
 // Reduces `v` over the block (fixed order: deterministic); every thread gets
 // the result. `scratch` holds kWarps floats and may be reused right after.
 template <class Op>
 __device__ float block_reduce(float v, Op op, float identity, float* scratch, int lane, int warp) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  v = warp_reduce(v, op);
   __syncthreads();  // the previous use of scratch is over
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
   v = lane < kWarps ? scratch[lane] : identity;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
+  return warp_reduce(v, op);
 }
 
 // Loads one row of a logits chunk into registers: element 4 (tid + k kThreads) + e

@@ -30,6 +30,7 @@
 #include <utility>
 
 #include "slime/core/error.hpp"
+#include "slime/core/file_descriptor.hpp"
 
 namespace slime::data {
 
@@ -43,33 +44,6 @@ inline constexpr std::size_t kTokenFileHeaderBytes = 24;
 namespace detail {
 
 inline std::string errno_string(int err) { return std::strerror(err); }
-
-class Fd {
- public:
-  explicit Fd(int fd = -1) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      if (fd_ >= 0) ::close(fd_);
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  // Closes now; returns 0 or the errno of close().
-  int close() {
-    if (fd_ < 0) return 0;
-    const int rc = ::close(std::exchange(fd_, -1));
-    return rc == 0 ? 0 : errno;
-  }
-
- private:
-  int fd_;
-};
 
 inline void write_all(int fd, const void* data, std::size_t bytes, const std::filesystem::path& path) {
   const char* p = static_cast<const char*>(data);
@@ -101,7 +75,7 @@ class TokenFileWriter {
   explicit TokenFileWriter(std::filesystem::path path)
       : path_(std::move(path)),
         tmp_(path_.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(next_id())) {
-    fd_ = detail::Fd(::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    fd_ = FileDescriptor(::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (!fd_.valid())
       SLIME_FAIL("cannot create '", tmp_.string(), "' to write '", path_.string(), "': ", detail::errno_string(errno));
     unsigned char header[kTokenFileHeaderBytes];
@@ -139,7 +113,7 @@ class TokenFileWriter {
     // Make the rename durable.
     std::filesystem::path dir = path_.parent_path();
     if (dir.empty()) dir = ".";
-    detail::Fd d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+    FileDescriptor d(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (d.valid()) (void)::fsync(d.get());
   }
 
@@ -151,7 +125,7 @@ class TokenFileWriter {
   }
 
   std::filesystem::path path_, tmp_;
-  detail::Fd fd_;
+  FileDescriptor fd_;
   uint64_t count_ = 0;
   bool committed_ = false;
 };
@@ -169,7 +143,7 @@ class TokenFile {
  public:
   explicit TokenFile(std::filesystem::path path) : path_(std::move(path)) {
     const std::string name = path_.string();
-    detail::Fd fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
+    FileDescriptor fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
     if (!fd.valid()) SLIME_FAIL("cannot open token file '", name, "': ", detail::errno_string(errno));
     struct stat st {};
     if (::fstat(fd.get(), &st) != 0) SLIME_FAIL("cannot stat '", name, "': ", detail::errno_string(errno));

@@ -121,10 +121,10 @@ GroupedGemmBackend grouped_gemm_backend();
 GroupedGemmBackend grouped_gemm_backend_for(const GroupedGemmParams& p);
 
 // How the cuBLAS backend runs the forward and dgrad passes: one
-// cublasGemmGroupedBatchedEx (true, the default, measured on an H200 at
-// ~280-320 TFLOP/s on the Qwen3-30B-A3B shapes) or one cublasGemmEx per
-// expert with rows (false; the wgrad pass always loops and measured ~440
-// there). bench_grouped_gemm's /cublas_loop rows time the loop for fwd/dgrad.
+// cublasGemmGroupedBatchedEx (true, the default) or one cublasGemmEx per
+// expert with rows (false; the wgrad pass always loops). bench_grouped_gemm's
+// /cublas rows time the grouped call, its /cublas_loop rows the loop
+// (measured: bench/RESULTS.md).
 void set_grouped_gemm_cublas_grouped_api(bool on);
 bool grouped_gemm_cublas_grouped_api();
 
