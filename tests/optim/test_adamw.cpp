@@ -13,10 +13,12 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "slime/io/safetensors.hpp"
 #include "slime/optim/adamw.hpp"
+#include "slime/optim/optimizer.hpp"
 
 using namespace slime;
 using namespace slime::optim;
@@ -330,4 +332,49 @@ TEST_CASE("AdamW rejects bad settings and tensors", "[optim][adamw]") {
   adamw_step({}, cfg, 1e-3, 1);
   AdamWTensors empty = group(0);
   adamw_step({&empty, 1}, cfg, 1e-3, 1);
+}
+
+TEST_CASE("AdamW and NoOptimizer model ShardOptimizer: release_state keeps the step count", "[optim][adamw]") {
+  static_assert(ShardOptimizer<AdamW> && AdamW::trains && AdamW::state_per_param == 2);
+  static_assert(ShardOptimizer<NoOptimizer> && !NoOptimizer::trains && NoOptimizer::state_per_param == 0);
+  static_assert(std::is_same_v<AdamW::Config, AdamWConfig>);
+  auto make = [](uint64_t salt) {
+    std::vector<Tensor> out;
+    for (int64_t n : {7, 33}) {
+      std::vector<float> v(static_cast<std::size_t>(n));
+      for (std::size_t j = 0; j < v.size(); ++j) v[j] = std::cos(float(salt * 13 + std::size_t(n) + j));
+      out.push_back(Tensor::from_vector(v, {n}));
+    }
+    return out;
+  };
+  std::vector<Tensor> pa = make(1), grads = make(2), pb;
+  for (const Tensor& p : pa) pb.push_back(p.clone());
+  AdamW a, b;
+  for (int s = 0; s < 2; ++s) {
+    a.step(pa, grads, 1e-2);
+    b.step(pb, grads, 1e-2);
+  }
+  // b saves its state, drops it (as runtime offload does), restores it.
+  std::vector<Tensor> saved;
+  for (const auto& [name, t] : b.state_tensors()) saved.push_back(t.clone());
+  b.release_state();
+  REQUIRE(b.state_tensors().empty());
+  REQUIRE(b.step_count() == 2);
+  b.init_state(pb);
+  auto state = b.state_tensors();
+  REQUIRE(state.size() == AdamW::state_per_param * pb.size());
+  for (std::size_t i = 0; i < state.size(); ++i) {
+    REQUIRE(state[i].second.to_vector<float>() == std::vector<float>(std::size_t(state[i].second.numel()), 0.f));
+    state[i].second.copy_from(saved[i]);
+  }
+  a.step(pa, grads, 1e-2);
+  b.step(pb, grads, 1e-2);
+  REQUIRE(b.step_count() == 3);
+  for (std::size_t i = 0; i < pa.size(); ++i) REQUIRE(pa[i].to_vector<float>() == pb[i].to_vector<float>());
+
+  NoOptimizer none{NoOptimizer::Config{}};
+  none.init_state(pa);
+  REQUIRE(none.state_tensors().empty());
+  REQUIRE(none.step_count() == 0);
+  REQUIRE_THROWS_WITH(none.step(pa, grads, 1e-2), ContainsSubstring("frozen"));
 }

@@ -2,12 +2,20 @@
 // q/k/v projections, per-head RMSNorm of q and k over head_dim (before RoPE,
 // as HF Qwen3Attention), RoPE at per-sequence positions, causal varlen
 // attention with GQA (scale 1/sqrt(head_dim)), output projection.
+//
+// The keys and values the queries attend over come from a K/V source
+// (nn/kv_source.hpp), a policy argument of forward: SelfKv (the default) is
+// the batch's own, CachedKv a KV cache the new keys and values are written
+// into (decode). Shapes: x [T, hidden] -> [T, hidden]; inside, q [T, Hq, d],
+// k and v [T, Hkv, d], o [T, Hq, d], lse f32 [T, Hq]. backward needs a
+// context from a differentiable source (SelfKv).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <utility>
 
+#include "slime/nn/kv_source.hpp"
 #include "slime/nn/linear.hpp"
 #include "slime/nn/module.hpp"
 #include "slime/nn/packed_batch.hpp"
@@ -71,9 +79,13 @@ struct Attention {
     k_norm.for_each_parameter(f);
   }
 
-  // x [T, hidden] -> [T, hidden]; each sequence of `batch` attends causally to
-  // itself only, at positions restarting from 0.
-  Tensor forward(const Tensor& x, const PackedBatch& batch, Context& ctx, const Stream& stream = {}) {
+  // x [T, hidden] -> [T, hidden]: the batch's tokens at batch.positions
+  // attend over the keys and values `kv` gives (SelfKv: each sequence of
+  // `batch` causally to itself only). ctx keeps what backward needs when the
+  // source is differentiable (else only the sub-modules' inputs).
+  template <LayerKvSource Kv = SelfKv>
+  Tensor forward(const Tensor& x, const PackedBatch& batch, Context& ctx, const Stream& stream = {},
+                 const Kv& kv = {}) {
     detail::check_activation(x, options, config.hidden_size, q_proj.weight.name + ": x");
     const int64_t T = x.size(0);
     SLIME_CHECK(x.dim() == 2 && T == batch.num_tokens(), q_proj.weight.name, ": x must be [", batch.num_tokens(), ", ",
@@ -88,21 +100,27 @@ struct Attention {
     ops::rope_forward(qn, kn, batch.positions, config.rope_theta, qn, kn, stream);  // in place
     Tensor o = Tensor::empty({T, hq, d}, options.dtype, options.device, stream);
     Tensor lse = Tensor::empty({T, hq}, DType::f32, options.device, stream);
-    ops::attention_forward(qn, kn, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen, o, lse,
-                           {}, stream);
-    ctx.q = qn;
-    ctx.k = kn;
-    ctx.v = v;
-    ctx.o = o;
-    ctx.lse = lse;
-    ctx.cu_seqlens = batch.cu_seqlens;
-    ctx.positions = batch.positions;
-    ctx.max_seqlen = batch.max_seqlen;
+    kv.attend(qn, kn, v, batch, o, lse, stream);
+    if constexpr (Kv::differentiable) {
+      ctx.q = qn;
+      ctx.k = kn;
+      ctx.v = v;
+      ctx.o = o;
+      ctx.lse = lse;
+      ctx.cu_seqlens = batch.cu_seqlens;
+      ctx.positions = batch.positions;
+      ctx.max_seqlen = batch.max_seqlen;
+    } else {
+      ctx.q = ctx.k = ctx.v = ctx.o = ctx.lse = Tensor{};  // no backward from this context
+    }
     return o_proj.forward(o.reshape({T, hq * d}), ctx.o_proj, stream);
   }
 
-  // dx [T, hidden] (written); the six weights' gradients accumulate.
+  // dx [T, hidden] (written); the six weights' gradients accumulate. ctx is
+  // a differentiable source's (SelfKv).
   Tensor backward(const Context& ctx, const Tensor& dy, const Stream& stream = {}) {
+    SLIME_CHECK(ctx.o.defined(), o_proj.weight.name,
+                ": backward needs the context of a forward with a differentiable K/V source (SelfKv)");
     const int64_t T = ctx.o.size(0), hq = config.num_heads, hkv = config.num_kv_heads, d = config.head_dim;
     Tensor d_o = o_proj.backward(ctx.o_proj, dy, stream).reshape({T, hq, d});
     Tensor dq = Tensor::empty({T, hq, d}, options.dtype, options.device, stream);

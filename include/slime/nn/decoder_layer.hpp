@@ -2,7 +2,10 @@
 //   h = x + self_attn(input_layernorm(x))
 //   y = h + mlp(post_attention_layernorm(h))
 // where mlp is the dense SwiGLU MLP, or the sparse MoE block (router +
-// experts) in the layers Qwen3Config::is_sparse_layer picks.
+// experts) in the layers Qwen3Config::is_sparse_layer picks. x and y are
+// [T, hidden]; self_attn's keys and values come from the layer K/V source
+// forward is given (nn/kv_source.hpp: SelfKv by default, CachedKv::Layer for
+// decode), the rest of the layer is the same for every source.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +14,7 @@
 #include <utility>
 
 #include "slime/nn/attention.hpp"
+#include "slime/nn/kv_source.hpp"
 #include "slime/nn/mlp.hpp"
 #include "slime/nn/module.hpp"
 #include "slime/nn/moe.hpp"
@@ -75,9 +79,13 @@ struct DecoderLayer {
     post_attention_layernorm.for_each_parameter(f);
   }
 
-  // x [T, hidden] -> [T, hidden].
-  Tensor forward(const Tensor& x, const PackedBatch& batch, Context& ctx, const Stream& stream = {}) {
-    Tensor a = self_attn.forward(input_layernorm.forward(x, ctx.input_layernorm, stream), batch, ctx.self_attn, stream);
+  // x [T, hidden] -> [T, hidden]; attention over the keys and values of `kv`.
+  // backward needs the context of a differentiable source (SelfKv).
+  template <LayerKvSource Kv = SelfKv>
+  Tensor forward(const Tensor& x, const PackedBatch& batch, Context& ctx, const Stream& stream = {},
+                 const Kv& kv = {}) {
+    Tensor a =
+        self_attn.forward(input_layernorm.forward(x, ctx.input_layernorm, stream), batch, ctx.self_attn, stream, kv);
     ops::add_(a, x, stream);  // a = x + attn: the residual stream after attention
     Tensor n = post_attention_layernorm.forward(a, ctx.post_attention_layernorm, stream);
     Tensor y = moe ? moe->forward(n, ctx.moe, stream) : mlp.forward(n, ctx.mlp, stream);

@@ -3,7 +3,9 @@
 // decoder layers (dense MLP, or router + experts in the layers
 // Qwen3Config::is_sparse_layer picks), final RMSNorm and the LM head (tied to
 // the embedding when config.tie_word_embeddings), over packed sequences, with
-// explicit forward and backward.
+// explicit forward and backward. forward is the library's one layer loop:
+// its K/V source (nn/kv_source.hpp) is SelfKv for training and scoring,
+// CachedKv for decode (rollout::Engine runs it over its KV arena).
 //
 // A step: forward(batch, ctx) -> final-normed hidden [T, D]; then either
 // logits(hidden) (f32 [T, V], small models and tests only) or
@@ -40,6 +42,7 @@
 #include "slime/nn/config.hpp"
 #include "slime/nn/decoder_layer.hpp"
 #include "slime/nn/embedding.hpp"
+#include "slime/nn/kv_source.hpp"
 #include "slime/nn/module.hpp"
 #include "slime/nn/moe.hpp"
 #include "slime/nn/packed_batch.hpp"
@@ -57,8 +60,11 @@ class Qwen3Model {
   struct Context {
     PackedBatch batch;
     Embedding::Context embed_tokens;
+    // One per decoder layer; after a forward with a K/V source that is not
+    // differentiable (CachedKv), one that every layer reused.
     std::vector<DecoderLayer::Context> layers;
     RMSNorm::Context norm;
+    bool differentiable = false;  // from a forward backward may follow (SelfKv)
   };
 
   Qwen3Model() = default;
@@ -187,13 +193,18 @@ class Qwen3Model {
   }
 
   // Final-normed hidden states [T, D] of the packed batch (on the model's
-  // device). ctx keeps what backward needs. `hooks` are called around every
-  // unit (see units()).
-  template <UnitHooks Hooks = NoHooks>
-  Tensor forward(const PackedBatch& batch, Context& ctx, const Stream& stream, Hooks& hooks) {
+  // device). `hooks` are called around every unit (see units()). `kv` gives
+  // each layer's attention its keys and values (nn/kv_source.hpp): SelfKv,
+  // the batch's own, and ctx keeps what backward needs; CachedKv, a KV cache
+  // (decode: the batch holds each sequence's new tokens at their positions,
+  // see CachedKv), and ctx keeps one layer's context, reused by every layer,
+  // so no backward, aux loss or router logits follow.
+  template <UnitHooks Hooks = NoHooks, KvSource Kv = SelfKv>
+  Tensor forward(const PackedBatch& batch, Context& ctx, const Stream& stream, Hooks& hooks, const Kv& kv = {}) {
     check_batch(batch);
     ctx.batch = batch;
-    ctx.layers.resize(layers_.size());
+    ctx.differentiable = Kv::differentiable;
+    ctx.layers.resize(Kv::differentiable ? layers_.size() : 1);
     hooks.forward_begin(0);
     Tensor h = embed_tokens_.forward(batch.tokens, ctx.embed_tokens, stream);
     hooks.forward_end(0);
@@ -202,7 +213,7 @@ class Qwen3Model {
       const bool experts = has_expert_unit(layers_[i]);
       hooks.forward_begin(u);
       if (experts) hooks.forward_begin(u + 1);
-      h = layers_[i].forward(h, batch, ctx.layers[i], stream);
+      h = layers_[i].forward(h, batch, ctx.layers[Kv::differentiable ? i : 0], stream, kv.layer(i));
       if (experts) hooks.forward_end(u + 1);
       hooks.forward_end(u);
       u += experts ? 2 : 1;
@@ -394,6 +405,9 @@ class Qwen3Model {
   }
 
   void check_context(const Context& ctx, const char* op) const {
+    SLIME_CHECK(ctx.differentiable || ctx.layers.empty(), "Qwen3Model::", op,
+                ": the context is from a forward with a K/V source that is not differentiable (CachedKv), which "
+                "keeps no per-layer activations");
     SLIME_CHECK(ctx.layers.size() == layers_.size(), "Qwen3Model::", op, ": the context holds ", ctx.layers.size(),
                 " layers, the model ", layers_.size(), " (was forward called with it?)");
   }

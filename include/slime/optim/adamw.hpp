@@ -37,6 +37,7 @@
 #include "slime/core/tensor.hpp"
 #include "slime/ops/elementwise.hpp"
 #include "slime/optim/cuda/adamw.hpp"
+#include "slime/optim/optimizer.hpp"
 
 namespace slime::optim {
 
@@ -204,9 +205,16 @@ inline void adamw_step(std::span<const AdamWTensors> tensors, const AdamWConfig&
 
 // AdamW over a fixed list of parameter tensors (e.g. a rank's FSDP shards):
 // owns the moments (f32 zeros of each parameter's shape on its device,
-// allocated by init_state or the first step) and the step counter.
+// allocated by init_state or the first step) and the step counter. A
+// ShardOptimizer (optim/optimizer.hpp): two state tensors per parameter,
+// exp_avg and exp_avg_sq; device tensors run the CUDA kernel, host tensors
+// the CPU reference (the same roundings: ShardedOptions::cpu_offload).
 class AdamW {
  public:
+  using Config = AdamWConfig;
+  static constexpr bool trains = true;
+  static constexpr std::size_t state_per_param = 2;
+
   explicit AdamW(AdamWConfig cfg = {}) : cfg_(cfg) { check_adamw_config(cfg_); }
 
   // Allocates zero moments for `params` (f32 tensors) when there are none;
@@ -267,6 +275,14 @@ class AdamW {
     return out;
   }
 
+  // Drops the moments (their memory goes), keeping the config and the step
+  // count; the next init_state / step allocates zero moments again.
+  void release_state() {
+    exp_avg_.clear();
+    exp_avg_sq_.clear();
+    groups_.clear();
+  }
+
   const AdamWConfig& config() const { return cfg_; }
 
  private:
@@ -275,5 +291,6 @@ class AdamW {
   std::vector<Tensor> exp_avg_, exp_avg_sq_;
   std::vector<AdamWTensors> groups_;  // reused across steps
 };
+static_assert(ShardOptimizer<AdamW>);
 
 }  // namespace slime::optim

@@ -1,16 +1,24 @@
-// slime/parallel/sharded.hpp: Sharded<Module, Strategy>, fully sharded data
-// parallelism (FSDP2-style per-parameter dim-0 sharding) with mixed
-// precision, prefetched all-gathers, overlapped reduce-scatters, gradient
-// accumulation, AdamW on the fp32 master shards and access for checkpoints.
+// slime/parallel/sharded.hpp: Sharded<Module, Strategy, Optimizer>, fully
+// sharded data parallelism (FSDP2-style per-parameter dim-0 sharding) with
+// mixed precision, prefetched all-gathers, overlapped reduce-scatters,
+// gradient accumulation, an optimizer on the master shards
+// (optim::ShardOptimizer: optim::AdamW by default, constructed from the
+// optim::AdamWConfig the constructors take; optim::NoOptimizer for a frozen
+// model, parallel::Frozen) and access for checkpoints.
+//
+// The pieces: flat_shard.hpp (FlatShardLayout: how a unit's parameters pack
+// into one flat shard per rank), optim/optimizer.hpp (the optimizer concept)
+// and this file (the units' buffers, gathers, reductions and runtime offload).
 //
 // What a rank holds (per unit: the module's units(), nn/units.hpp; layout: flat_shard.hpp):
-//   master shard   [shard_numel] fp32: what AdamW updates
+//   master shard   [shard_numel] fp32: what the optimizer (AdamW) updates
 //   compute shard  [shard_numel] compute dtype (bf16 on GPUs): the all-gather
 //                  input, refreshed by AdamW's param_copies; the master itself
 //                  when the dtypes are equal
 //   grad shard     [shard_numel] fp32: reduced gradients, summed over
 //                  micro-batches until zero_grad
-//   AdamW states   2 x [shard_numel] fp32
+//   optimizer      Optimizer::state_per_param x [shard_numel]: AdamW's two
+//                  moments, fp32 (state_tensors(): k per unit, unit-major)
 // and, only while a unit computes:
 //   gathered       [world * shard_numel] compute dtype: every Parameter::value
 //                  of the unit is a view into it, so the nn modules run as is
@@ -30,6 +38,24 @@
 // CUDA events: the step never waits on the host. On the CPU (LocalComm) the
 // same calls run in order. Then optimizer_step (AdamW on the master shards;
 // the optional global grad-norm clip is one all-reduce and one host read).
+//
+// Frozen models (Optimizer::trains == false: optim::NoOptimizer, the alias
+// parallel::Frozen<Module, Strategy>; a reference or teacher model): no grad
+// shards, no full gradients, no optimizer state, and the master shard IS the
+// compute shard, in the module's dtype (precision.master is not used: a
+// frozen bf16 model's rank holds 2 bytes per parameter / N, plus the flat
+// layout's padding). backward, token_logprobs_backward, loss_and_backward,
+// aux_loss_and_grad, zero_grad, grad_norm, optimizer_step and
+// gather_gradient throw "the model is frozen"; cpu_offload is refused;
+// forward, logits, token_logprobs, gather_parameter (the module's dtype),
+// load_parameter and offload / onload work. With a strategy that reshards
+// after forward every unit is released after its forward except the LM
+// head's, which logits / token_logprobs release after their call (nothing
+// stays gathered between calls; each head call gathers it again); ShardGradOp
+// and NoShard keep what they gathered (no backward comes to release it).
+// Runtime offload moves only the master shards, and copies them to the host
+// only when they changed since the last offload (load_parameter): later
+// cycles free the device memory without copying.
 //
 // Gradient accumulation: set_micro_batches(n) says the next n backward passes
 // form one step. GradientSync::at_end (default) accumulates full fp32
@@ -147,6 +173,7 @@
 #include "slime/ops/elementwise.hpp"
 #include "slime/optim/adamw.hpp"
 #include "slime/optim/grad_clip.hpp"
+#include "slime/optim/optimizer.hpp"
 #include "slime/parallel/flat_shard.hpp"
 #include "slime/parallel/sharding_strategy.hpp"
 
@@ -176,19 +203,24 @@ struct LocalShard {
 //           ep rank routed to it, through the block's all_to_all).
 using ShardGroup = nn::UnitKind;
 
-template <class Module, ShardingStrategy Strategy = FullShard>
+template <class Module, ShardingStrategy Strategy = FullShard, optim::ShardOptimizer Optimizer = optim::AdamW>
 class Sharded {
  public:
   using Context = typename Module::Context;
+  using OptimizerConfig = typename Optimizer::Config;
+  // Whether the model trains: false (optim::NoOptimizer, a frozen model)
+  // keeps no gradient buffers and no optimizer state.
+  static constexpr bool trains = Optimizer::trains;
   static_assert(nn::HasUnits<Module>,
                 "Sharded<Module, Strategy>: Module must expose units() (nn/units.hpp) and for_each_parameter");
 
   // FullShard / ShardGradOp shard over `comm`; NoShard replicates over it.
   // HybridShard needs the two groups of a Mesh (see below), and so does a
-  // model with ExpertParallel of degree > 1.
+  // model with ExpertParallel of degree > 1. `optimizer`: its config
+  // (optim::AdamWConfig for the default optim::AdamW).
   Sharded(Module module, comm::Comm& comm, ShardedOptions options = {},
-          optim::AdamWConfig adamw = {}) requires(!(Strategy::shards && Strategy::replicates))
-      : Sharded(std::move(module), comm_groups(comm), options, adamw) {}
+          OptimizerConfig optimizer = {}) requires(!(Strategy::shards && Strategy::replicates))
+      : Sharded(std::move(module), comm_groups(comm), options, optimizer) {}
 
   // On a mesh: HybridShard shards over dp_shard and replicates over
   // dp_replicate; FullShard / ShardGradOp shard over dp_shard (dp_replicate
@@ -197,8 +229,8 @@ class Sharded {
   // axis) dense units take that data-parallel axis times ep and expert units
   // the data-parallel axis alone (see the top of this file). Collective over
   // the mesh's world when ep > 1 (it flattens dp x ep). cp must be 1.
-  Sharded(Module module, const comm::Mesh& mesh, ShardedOptions options = {}, optim::AdamWConfig adamw = {})
-      : Sharded(std::move(module), mesh_groups(mesh), options, adamw) {}
+  Sharded(Module module, const comm::Mesh& mesh, ShardedOptions options = {}, OptimizerConfig optimizer = {})
+      : Sharded(std::move(module), mesh_groups(mesh), options, optimizer) {}
 
   Sharded(const Sharded&) = delete;
   Sharded& operator=(const Sharded&) = delete;
@@ -243,7 +275,7 @@ class Sharded {
   const FlatShardLayout& unit_layout(std::size_t u) const { return units_.at(u).layout; }
   // Whether unit u's parameters are gathered (their values are views).
   bool is_gathered(std::size_t u) const { return units_.at(u).gathered.defined(); }
-  optim::AdamW& optimizer() { return adamw_; }
+  Optimizer& optimizer() { return optimizer_; }
   // Master shards and optimizer states on the host (ShardedOptions::cpu_offload).
   bool cpu_offload() const { return offload_; }
 
@@ -263,21 +295,25 @@ class Sharded {
       host.copy_from(dev, s);
       bytes += dev.nbytes();
     };
-    std::vector<std::pair<std::string, Tensor>> moments;
-    if (!offload_) moments = adamw_.state_tensors();  // exp_avg.i, exp_avg_sq.i: unit i
+    constexpr std::size_t k = Optimizer::state_per_param;
+    std::vector<std::pair<std::string, Tensor>> state;  // unit i: entries [k i, k i + k)
+    if (!offload_) state = optimizer_.state_tensors();
+    // A frozen model's masters change only through load_parameter: the host
+    // copies of the last cycle are still current unless it was called.
+    const bool masters_current = !trains && host_masters_current_;
     for (std::size_t i = 0; i < units_.size(); ++i) {
       Unit& u = units_[i];
-      if (!offload_) down(u.host_master, u.master);
+      if (!offload_ && !masters_current) down(u.host_master, u.master);
       if (separate_compute_) down(u.host_compute, u.compute);
-      down(u.host_grad, u.grad_shard);
+      if constexpr (trains) down(u.host_grad, u.grad_shard);
       u.full_grad_offloaded = !u.direct_grads && u.full_grad.defined();
       if (u.full_grad_offloaded) down(u.host_full_grad, u.full_grad);
-      if (!moments.empty()) {
-        down(u.host_exp_avg, moments[2 * i].second);
-        down(u.host_exp_avg_sq, moments[2 * i + 1].second);
+      if (!state.empty()) {
+        u.host_state.resize(k);
+        for (std::size_t j = 0; j < k; ++j) down(u.host_state[j], state[k * i + j].second);
       }
     }
-    moments.clear();
+    state.clear();
     s.synchronize();
     // The device buffers go (freed in order on the communication stream,
     // where they were allocated, after the copies).
@@ -294,11 +330,8 @@ class Sharded {
       u.grad_shard = Tensor{};
       if (!offload_) u.master = u.host_master;  // checkpoint reads see the host copy
     }
-    if (!offload_) {  // a stateless optimizer with the same step count; onload restores the moments
-      optim::AdamW stateless(adamw_.config());
-      stateless.set_step_count(adamw_.step_count());
-      adamw_ = std::move(stateless);
-    }
+    if (!offload_) optimizer_.release_state();  // the step count stays; onload restores the state
+    host_masters_current_ = true;
     // The modules' op workspaces go too (allocated again by the next backward).
     if constexpr (requires(Module & m) { m.for_each_workspace([](Tensor&) {}); }) nn::release_workspaces(module());
     comm_stream_.synchronize();  // the frees done: the pool can hand the memory to any stream
@@ -324,7 +357,7 @@ class Sharded {
     for (Unit& u : units_) {
       if (!offload_) u.master = up(u.host_master);
       u.compute = separate_compute_ ? up(u.host_compute) : u.master;
-      u.grad_shard = up(u.host_grad);
+      if constexpr (trains) u.grad_shard = up(u.host_grad);
       if (u.aliased) {
         u.gathered = u.compute;
         install_values(u);
@@ -342,12 +375,12 @@ class Sharded {
       masters.push_back(u.master);
     }
     if (!offload_) {
-      adamw_.init_state(masters, c);  // zero moments on the device, overwritten here
-      auto moments = adamw_.state_tensors();
-      for (std::size_t i = 0; i < units_.size(); ++i) {
-        moments[2 * i].second.copy_from(units_[i].host_exp_avg, c);
-        moments[2 * i + 1].second.copy_from(units_[i].host_exp_avg_sq, c);
-      }
+      optimizer_.init_state(masters, c);  // zero state on the device, overwritten here
+      constexpr std::size_t k = Optimizer::state_per_param;
+      auto state = optimizer_.state_tensors();
+      for (std::size_t i = 0; i < units_.size(); ++i)
+        for (std::size_t j = 0; j < units_[i].host_state.size(); ++j)
+          state[k * i + j].second.copy_from(units_[i].host_state[j], c);
     }
     params_updated_.record(c);
     if (offload_) params_uploaded_.record(c);  // the CPU AdamW waits for it before writing the staging shards
@@ -364,8 +397,9 @@ class Sharded {
   std::size_t offload_host_bytes() const {
     std::size_t n = 0;
     for (const Unit& u : units_) {
-      for (const Tensor* t : {&u.host_master, &u.host_full_grad, &u.host_exp_avg, &u.host_exp_avg_sq})
+      for (const Tensor* t : {&u.host_master, &u.host_full_grad})
         if (t->defined()) n += t->nbytes();
+      for (const Tensor& t : u.host_state) n += t.nbytes();
       if (!offload_)
         for (const Tensor* t : {&u.host_compute, &u.host_grad})
           if (t->defined()) n += t->nbytes();
@@ -392,6 +426,7 @@ class Sharded {
   // aux_loss_and_grad).
   template <class... Extra>
   void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream, const Extra&... extra) {
+    check_trains("backward");
     check_onloaded("backward");
     const Stream s = compute_stream(stream);
     Hooks hooks{*this, s};
@@ -415,6 +450,7 @@ class Sharded {
     m.aux_loss_and_grad(ctx, scale, stream, nn::AuxStatsReduce{});
   }
   {
+    check_trains("aux_loss_and_grad");
     check_onloaded("aux_loss_and_grad");
     const Stream s = compute_stream(stream);
     const int ranks = shard_world() * replicate_world();
@@ -440,7 +476,9 @@ class Sharded {
     check_lm_head("logits");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
-    return module_->logits(hidden, s);
+    Tensor out = module_->logits(hidden, s);
+    release_frozen_head(s);
+    return out;
   }
 
   ops::TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& targets, float temperature = 1.f,
@@ -452,7 +490,9 @@ class Sharded {
     check_lm_head("token_logprobs");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
-    return module_->token_logprobs(hidden, targets, temperature, s);
+    ops::TokenLogprobs out = module_->token_logprobs(hidden, targets, temperature, s);
+    release_frozen_head(s);
+    return out;
   }
 
   Tensor token_logprobs_backward(const Tensor& hidden, const Tensor& targets, float temperature,
@@ -461,6 +501,7 @@ class Sharded {
     m.token_logprobs_backward(hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, stream);
   }
   {
+    check_trains("token_logprobs_backward");
     check_onloaded("token_logprobs_backward");
     check_lm_head("token_logprobs_backward");
     const Stream s = compute_stream(stream);
@@ -481,6 +522,7 @@ class Sharded {
                                    float temperature = 1.f, std::optional<double> normalizer = std::nullopt,
                                    const Stream& stream = {},
                                    std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module> {
+    check_trains("loss_and_backward");
     check_onloaded("loss_and_backward");
     const Stream s = compute_stream(stream);
     bool aux = with_aux_loss.value_or(false);
@@ -501,6 +543,7 @@ class Sharded {
   // Zeroes the sharded gradients (and drops unreduced ones); call before the
   // first micro-batch of a step, as with the unwrapped model.
   void zero_grad(const Stream& stream = {}) {
+    check_trains("zero_grad");
     check_onloaded("zero_grad");
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
@@ -517,6 +560,7 @@ class Sharded {
   // group; replicas hold equal gradients; NoShard with expert units: a second
   // one over ep). A host synchronisation.
   double grad_norm(const Stream& stream = {}) {
+    check_trains("grad_norm");
     check_onloaded("grad_norm");
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
@@ -527,6 +571,7 @@ class Sharded {
   // max_grad_norm > 0 the gradients are first scaled by
   // clip_coefficient(global norm, max_grad_norm); returns that norm.
   std::optional<double> optimizer_step(double lr, double max_grad_norm = 0, const Stream& stream = {}) {
+    check_trains("optimizer_step");
     check_onloaded("optimizer_step");
     const Stream s = compute_stream(stream);
     SLIME_CHECK(micro_batch_ == 0, "Sharded::optimizer_step after ", micro_batch_, " of ", micro_batches_,
@@ -558,11 +603,11 @@ class Sharded {
         host_grads.push_back(u.host_grad);
         staging.push_back(u.host_compute);
       }
-      adamw_.step(params, host_grads, lr, scale, staging, Stream{});
+      optimizer_.step(params, host_grads, lr, scale, staging, Stream{});
       for (Unit& u : units_) u.compute.copy_from(u.host_compute, s);
       params_uploaded_.record(s);
     } else {
-      adamw_.step(params, grads, lr, scale, copies, s);
+      optimizer_.step(params, grads, lr, scale, copies, s);
     }
     params_updated_.record(s);
     return norm;
@@ -625,6 +670,7 @@ class Sharded {
   // gather_parameter (collective over the same group, same rules). Call it
   // after the step's last backward.
   Tensor gather_gradient(std::string_view name, const Stream& stream = {}) {
+    check_trains("gather_gradient");
     check_onloaded("gather_gradient");
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
@@ -648,6 +694,7 @@ class Sharded {
     release_gathered(u, s);
     copy_rows(units_[u], e, full, s);
     params_updated_.record(s);
+    host_masters_current_ = false;
   }
 
  private:
@@ -666,11 +713,12 @@ class Sharded {
     // constructor; with runtime offload alone, the grad and compute shards'
     // copies, made by the first offload.
     Tensor host_grad, host_compute;
-    Tensor host_master, host_exp_avg, host_exp_avg_sq;  // runtime offload without cpu_offload (pinned, f32)
-    Tensor host_full_grad;                              // runtime offload of unreduced gradients (pinned, f32)
-    bool full_grad_offloaded = false;                   // host_full_grad holds the unit's unreduced gradients
-    Tensor gathered;                                    // defined while gathered (views installed)
-    Tensor full_grad;  // defined while unreduced gradients accumulate (views installed)
+    Tensor host_master;                // runtime offload without cpu_offload (pinned, master dtype)
+    std::vector<Tensor> host_state;    // runtime offload: the optimizer's k state tensors (pinned)
+    Tensor host_full_grad;             // runtime offload of unreduced gradients (pinned, f32)
+    bool full_grad_offloaded = false;  // host_full_grad holds the unit's unreduced gradients
+    Tensor gathered;                   // defined while gathered (views installed)
+    Tensor full_grad;                  // defined while unreduced gradients accumulate (views installed)
     Event gathered_ready, grad_ready, params_free;
   };
 
@@ -688,7 +736,10 @@ class Sharded {
       }
     }
     void forward_end(std::size_t u) {
-      if (Strategy::reshard_after_forward && u + 1 != self.units_.size()) self.release_gathered(u, stream);
+      // The last unit stays gathered for the head and the backward (frozen:
+      // no backward, so only the LM head's unit stays, for the head).
+      const bool keep = trains ? u + 1 == self.units_.size() : u == self.lm_head_unit_;
+      if (Strategy::reshard_after_forward && !keep) self.release_gathered(u, stream);
     }
     void backward_begin(std::size_t u) {
       self.gather_for_use(u, stream);
@@ -713,7 +764,7 @@ class Sharded {
 
   static comm::Comm* nontrivial(comm::Comm* c) { return c && c->size() > 1 ? c : nullptr; }
 
-  Sharded(Module module, Groups groups, const ShardedOptions& options, const optim::AdamWConfig& adamw)
+  Sharded(Module module, Groups groups, const ShardedOptions& options, const OptimizerConfig& optimizer)
       : module_(std::make_unique<Module>(std::move(module))),
         options_(options),
         owned_dense_comm_(std::move(groups.owned_dense)),
@@ -722,7 +773,7 @@ class Sharded {
         expert_shard_comm_(nontrivial(groups.expert_shard)),
         expert_replicate_comm_(nontrivial(groups.expert_replicate)),
         expert_norm_comm_(nontrivial(groups.expert_norm)),
-        adamw_(adamw) {
+        optimizer_(optimizer) {
     comm::Comm* const shard = groups.shard;
     comm::Comm* const replicate = groups.replicate;
     std::vector<nn::Unit> units = module_->units();
@@ -765,9 +816,18 @@ class Sharded {
     SLIME_CHECK(compute_dtype_ == module_dtype, "Sharded: compute dtype ", dtype_name(compute_dtype_),
                 " differs from the module's dtype ", dtype_name(module_dtype),
                 "; the modules run in their own dtype: build the model in the compute dtype");
-    master_dtype_ = mp.master;
-    SLIME_CHECK(master_dtype_ == DType::f32, "Sharded: master dtype ", dtype_name(master_dtype_),
-                " is not supported: optim::AdamW updates f32 master parameters");
+    if constexpr (trains) {
+      master_dtype_ = mp.master;
+      SLIME_CHECK(master_dtype_ == DType::f32, "Sharded: master dtype ", dtype_name(master_dtype_),
+                  " is not supported: optim::AdamW updates f32 master parameters");
+    } else {
+      // Frozen: the master shard is the compute shard, in the module's dtype
+      // (precision.master is not used: there is nothing to update).
+      master_dtype_ = compute_dtype_;
+      SLIME_CHECK(!options_.cpu_offload, "Sharded: cpu_offload keeps master shards and optimizer states on the ",
+                  "host for the optimizer step, but the model is frozen (its optimizer does not train); use ",
+                  "offload() / onload() to move its parameters to pinned host memory");
+    }
     SLIME_CHECK(mp.reduce == DType::f32 || mp.reduce == DType::bf16, "Sharded: reduce dtype must be f32 or bf16, got ",
                 dtype_name(mp.reduce));
     offload_ = options_.cpu_offload;
@@ -795,7 +855,7 @@ class Sharded {
       u.shard = expert ? expert_shard_comm_ : shard_comm_;
       u.replicate = expert ? expert_replicate_comm_ : replicate_comm_;
       u.aliased = u.shard == nullptr;
-      u.direct_grads = u.shard == nullptr && u.replicate == nullptr;
+      u.direct_grads = trains && u.shard == nullptr && u.replicate == nullptr;
       if (expert && options_.gradient_reduce == comm::ReduceOp::avg) u.grad_scale = 1.f / float(groups.ep);
       std::vector<std::pair<std::string, Shape>> shapes;
       for (const nn::Parameter* p : su.params) shapes.emplace_back(p->name, p->value.shape());
@@ -810,7 +870,7 @@ class Sharded {
         u.master = Tensor::zeros({n}, master_dtype_, device_, comm_stream_);
       }
       u.compute = separate_compute_ ? Tensor::zeros({n}, compute_dtype_, device_, comm_stream_) : u.master;
-      u.grad_shard = Tensor::zeros({n}, DType::f32, device_, comm_stream_);
+      if constexpr (trains) u.grad_shard = Tensor::zeros({n}, DType::f32, device_, comm_stream_);
       for (std::size_t i = 0; i < su.params.size(); ++i)
         copy_rows(u, u.layout.entries()[i], su.params[i]->value, comm_stream_);
       u.gathered_ready = Event(device_, false);
@@ -842,7 +902,7 @@ class Sharded {
     // The optimizer's moments now, so a rank's memory is known up front.
     std::vector<Tensor> masters;
     for (const Unit& u : units_) masters.push_back(u.master);
-    adamw_.init_state(masters, offload_ ? Stream{} : comm_stream_);
+    optimizer_.init_state(masters, offload_ ? Stream{} : comm_stream_);
     for (std::size_t i = 0; i < units_.size(); ++i)
       for (std::size_t j = 0; j < units_[i].layout.entries().size(); ++j)
         index_.emplace(units_[i].layout.entries()[j].name, std::pair{i, j});
@@ -924,6 +984,18 @@ class Sharded {
 
   void check_lm_head(const char* where) const {
     SLIME_CHECK(lm_head_unit_ < units_.size(), "Sharded::", where, ": the module has no unit holding an LM head");
+  }
+
+  void check_trains([[maybe_unused]] const char* where) const {
+    if constexpr (!trains)
+      SLIME_FAIL("Sharded::", where, ": the model is frozen (its optimizer, e.g. optim::NoOptimizer, does not ",
+                 "train): it has no gradients and takes no optimizer step");
+  }
+
+  // A frozen model under a strategy that reshards after forward releases
+  // the LM head's unit after the head's call (no backward needs it).
+  void release_frozen_head(const Stream& s) {
+    if constexpr (!trains && Strategy::reshard_after_forward) release_gathered(lm_head_unit_, s);
   }
 
   void check_onloaded(const char* where) const {
@@ -1085,7 +1157,7 @@ class Sharded {
   comm::Comm* expert_replicate_comm_ = nullptr;
   comm::Comm* expert_norm_comm_ = nullptr;  // the grad norm of expert shards (see global_norm)
   bool has_expert_units_ = false;
-  optim::AdamW adamw_;
+  Optimizer optimizer_;
   Device device_;
   DType compute_dtype_ = DType::f32, master_dtype_ = DType::f32;
   bool separate_compute_ = false;  // compute shard distinct from the master shard
@@ -1098,9 +1170,15 @@ class Sharded {
   Event params_uploaded_;  // cpu_offload: the last uploads from the staging shards
   Event turn_;             // offload / onload: ordering between the caller's and the communication stream
   bool offloaded_ = false;
+  bool host_masters_current_ = false;  // the host masters of runtime offload equal the masters (frozen models)
   std::size_t transfer_bytes_ = 0;
   int micro_batches_ = 1, micro_batch_ = 0;
   bool sync_now_ = true;
 };
+
+// A frozen model (a reference or teacher): sharded like a policy, no
+// gradients, no optimizer state, offloadable (see the top of this file).
+template <class Module, ShardingStrategy Strategy = FullShard>
+using Frozen = Sharded<Module, Strategy, optim::NoOptimizer>;
 
 }  // namespace slime::parallel

@@ -6,10 +6,14 @@
 // What a checkpoint holds, per parameter P (its Hugging Face name; a stacked
 // expert weight under its "{}" name), as element ranges of the full tensors:
 //   P               the fp32 master value
+//   P/<kind>        each of the optimizer's state tensors (its
+//                   state_tensors() names "<kind>.<unit>", optim/optimizer.hpp):
 //   P/exp_avg       AdamW's first moment
 //   P/exp_avg_sq    AdamW's second moment
-// and, in metadata.json, the caller's JSON plus "adamw_steps" (AdamW's step
-// count; the key is reserved). Expert stacks are saved in whole-stack
+// and, in metadata.json, the caller's JSON plus "adamw_steps" (the
+// optimizer's step count; the key is reserved). A frozen Sharded (an
+// optimizer that does not train) has no training state: it is refused at
+// compile time (export its weights with gather_parameter). Expert stacks are saved in whole-stack
 // coordinates: the full tensor is [E, ...] with E every expert of the model
 // (nn::Parameter::stack_experts), and an ep rank's slice [E_local, ...] is
 // the range starting at first_expert * (elements per expert). So the
@@ -46,6 +50,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -71,11 +76,12 @@ namespace detail {
 // One parameter's piece on this rank, in checkpoint coordinates.
 struct ShardedStatePiece {
   std::string name;
-  Shape full_shape;                    // the checkpoint's shape (an expert stack: the whole stack)
-  int64_t begin = 0, end = 0;          // this rank's range of the flattened full_shape
-  int64_t local_begin = 0;             // where it starts in the parameter (an expert slice: in the slice)
-  Tensor master, exp_avg, exp_avg_sq;  // [end - begin] views into the rank's shards
-  bool writes = false;                 // this rank writes the range (write-once rule)
+  Shape full_shape;            // the checkpoint's shape (an expert stack: the whole stack)
+  int64_t begin = 0, end = 0;  // this rank's range of the flattened full_shape
+  int64_t local_begin = 0;     // where it starts in the parameter (an expert slice: in the slice)
+  Tensor master;               // [end - begin] view into the rank's master shard
+  std::vector<std::pair<std::string, Tensor>> state;  // (checkpoint name, [end - begin] view): the optimizer's
+  bool writes = false;                                // this rank writes the range (write-once rule)
 };
 
 // E of every expert stack of the module (name -> stack_experts), where the
@@ -94,11 +100,22 @@ std::map<std::string, int64_t> expert_stack_sizes(S& sh) {
 // Every parameter piece this rank holds, in unit order.
 template <class S>
 std::vector<ShardedStatePiece> sharded_state_pieces(S& sh, const char* where) {
+  using Optimizer = std::remove_reference_t<decltype(sh.optimizer())>;
+  static_assert(Optimizer::trains,
+                "sharded checkpoints hold training state; a frozen Sharded has none (export its "
+                "weights with gather_parameter)");
+  constexpr std::size_t k = Optimizer::state_per_param;
   SLIME_CHECK(!sh.offloaded(), where, ": Sharded is offloaded: call onload() first (the AdamW moments are in ",
               "offload buffers)");
   const std::vector<std::pair<std::string, Tensor>> moments = sh.optimizer().state_tensors();
-  SLIME_CHECK(moments.size() == 2 * sh.num_units(), where, ": the optimizer holds ", moments.size(),
-              " moment tensors for ", sh.num_units(), " sharding units (expected exp_avg and exp_avg_sq per unit)");
+  SLIME_CHECK(moments.size() == k * sh.num_units(), where, ": the optimizer holds ", moments.size(),
+              " state tensors for ", sh.num_units(), " sharding units (expected ", k, " per unit)");
+  // "<kind>.<unit>" -> "<kind>"
+  std::vector<std::string> kinds;
+  for (std::size_t j = 0; j < k && j < moments.size(); ++j) {
+    const std::string& n = moments[j].first;
+    kinds.push_back(n.substr(0, n.rfind('.')));
+  }
   const std::map<std::string, int64_t> stacks = expert_stack_sizes(sh);
   std::vector<ShardedStatePiece> pieces;
   sh.for_each_local_shard([&](const LocalShard& s) {
@@ -135,8 +152,8 @@ std::vector<ShardedStatePiece> sharded_state_pieces(S& sh, const char* where) {
       SLIME_CHECK(i < pieces.size() && pieces[i].name == e.name, where, ": parameter order mismatch at '", e.name, "'");
       ShardedStatePiece& p = pieces[i++];
       const Shape n{p.end - p.begin};
-      p.exp_avg = moments[2 * u].second.view(e.shard_offset, n);
-      p.exp_avg_sq = moments[2 * u + 1].second.view(e.shard_offset, n);
+      for (std::size_t j = 0; j < k; ++j)
+        p.state.emplace_back(p.name + "/" + kinds[j], moments[k * u + j].second.view(e.shard_offset, n));
       p.writes = writes;
     }
   }
@@ -162,8 +179,7 @@ void save_sharded_state(S& sh, comm::Comm& world, const std::filesystem::path& d
   for (detail::ShardedStatePiece& p : detail::sharded_state_pieces(sh, where)) {
     if (!p.writes) continue;
     out.push_back({p.name, p.full_shape, p.begin, p.end, p.master});
-    out.push_back({exp_avg_name(p.name), p.full_shape, p.begin, p.end, p.exp_avg});
-    out.push_back({exp_avg_sq_name(p.name), p.full_shape, p.begin, p.end, p.exp_avg_sq});
+    for (const auto& [name, t] : p.state) out.push_back({name, p.full_shape, p.begin, p.end, t});
   }
   metadata[kAdamWStepsKey] = sh.optimizer().step_count();
   synchronize_device(sh.device());  // the last optimizer step done, on whatever stream it ran
@@ -189,7 +205,9 @@ nlohmann::json load_sharded_state(S& sh, const std::filesystem::path& dir) {
   // 1. The checkpoint holds exactly this model's tensors, shapes and dtypes.
   std::set<std::string> expected;
   for (const detail::ShardedStatePiece& p : pieces) {
-    for (const std::string& name : {p.name, exp_avg_name(p.name), exp_avg_sq_name(p.name)}) {
+    std::vector<std::string> names = {p.name};
+    for (const auto& st : p.state) names.push_back(st.first);
+    for (const std::string& name : names) {
       expected.insert(name);
       SLIME_CHECK(reader.contains(name), at, ": the checkpoint has no tensor '", name, "' (it holds ",
                   reader.names().size(), " tensors: not a checkpoint of this model, or not of a Sharded state)");
@@ -223,9 +241,10 @@ nlohmann::json load_sharded_state(S& sh, const std::filesystem::path& dir) {
     Tensor mine = full.reshape(Shape{shape.numel()}).view(p.local_begin, Shape{n});
     reader.read_range(p.name, p.begin, p.end, mine);
     sh.load_parameter(p.name, full);
-    Tensor m = p.exp_avg, v = p.exp_avg_sq;  // views: reading into them fills the optimizer's state
-    reader.read_range(exp_avg_name(p.name), p.begin, p.end, m);
-    reader.read_range(exp_avg_sq_name(p.name), p.begin, p.end, v);
+    for (const auto& [state_name, view] : p.state) {
+      Tensor t = view;  // a view: reading into it fills the optimizer's state
+      reader.read_range(state_name, p.begin, p.end, t);
+    }
   }
   sh.optimizer().set_step_count(adamw_steps);
   synchronize_device(device);

@@ -5,15 +5,18 @@
 //
 // A step runs the model once over every running sequence's new tokens (a
 // newly admitted sequence's whole prompt, or a decoding sequence's last
-// token), with the same modules and ops as Qwen3Model::forward, row for row:
-// embedding, per layer RMSNorm -> attention (q/k/v projections, q/k norms,
-// RoPE at the tokens' positions, keys and values appended to the arena,
-// attention of the new queries over the sequence's cached + new keys) ->
-// residual -> RMSNorm -> MLP (or the MoE block) -> residual, final norm. Then
-// for each sequence's last row: logits (f32) -> sampling (rollout/sampling.hpp)
-// on the host -> the sampled token's logprob from the fused lm-head op
+// token): Qwen3Model::forward itself, the trainer's layer loop, with the
+// arena as its K/V source (nn::CachedKv, from KvArena::source): every
+// layer's attention writes the new keys and values into the sequence's arena
+// region and attends over the sequence's cached + new keys (bottom-right
+// causal alignment). The engine keeps only what is its own: scheduling
+// (admission, continuous batching), the arena, and for each sequence's last
+// row: logits (f32) -> sampling (rollout/sampling.hpp; on the device when no
+// request filters) -> the sampled token's logprob from the fused lm-head op
 // (ops::token_logprobs at the request's temperature; temperature 0 reports
-// the temperature-1 logprob), the quantity the trainer recomputes.
+// the temperature-1 logprob), the quantity the trainer recomputes. The
+// forward keeps one layer's activations at a time (CachedKv is not
+// differentiable: no backward context per layer).
 //
 // On the CPU every op computes each row independently of the others, in the
 // same order, so the engine's logprob of a sampled token equals the trainer's
@@ -41,13 +44,10 @@
 #include <utility>
 #include <vector>
 
+#include "slime/nn/kv_source.hpp"
 #include "slime/nn/offload.hpp"
 #include "slime/nn/qwen3.hpp"
-#include "slime/ops/attention.hpp"
-#include "slime/ops/elementwise.hpp"
 #include "slime/ops/index_rows.hpp"
-#include "slime/ops/linear.hpp"
-#include "slime/ops/rope.hpp"
 #include "slime/ops/token_logprobs.hpp"
 #include "slime/rollout/cuda/sampling.hpp"
 #include "slime/rollout/kv_arena.hpp"
@@ -236,31 +236,23 @@ class Engine {
     }
     const ArenaLayout lay = arena_layout(segs, arena_.capacity);
     const int64_t T = int64_t(tokens.size()), B = int64_t(running.size());
-    const Tensor tok = Tensor::from_vector(tokens, {T}, dev, stream);
-    const Tensor pos = Tensor::from_vector(positions, {T}, dev, stream);
-    const Tensor cu_q = Tensor::from_vector(lay.cu_q, {int64_t(lay.cu_q.size())}, dev, stream);
-    const Tensor cu_k = Tensor::from_vector(lay.cu_k, {int64_t(lay.cu_k.size())}, dev, stream);
-    const Tensor write_rows = Tensor::from_vector(lay.write_rows, {T}, dev, stream);
+    // The step's batch: sequence b of the arena's layout holds the new tokens
+    // of its region (none in the gaps), at their positions in the sequence.
+    nn::PackedBatch batch;
+    batch.tokens = Tensor::from_vector(tokens, {T}, dev, stream);
+    batch.positions = Tensor::from_vector(positions, {T}, dev, stream);
+    batch.cu_seqlens_host = lay.cu_q;
+    batch.cu_seqlens = Tensor::from_vector(lay.cu_q, {int64_t(lay.cu_q.size())}, dev, stream);
+    batch.max_seqlen = lay.max_q;
 
-    nn::Embedding::Context ectx;
-    Tensor h = model_->embed_tokens().forward(tok, ectx, stream);
-    auto& layers = model_->layers();
-    for (std::size_t li = 0; li < layers.size(); ++li) {
-      nn::DecoderLayer& layer = layers[li];
-      nn::RMSNorm::Context n1, n2;
-      Tensor a = cached_attention(layer.self_attn, layer.input_layernorm.forward(h, n1, stream), pos, cu_q, cu_k, lay,
-                                  write_rows, li, stream);
-      ops::add_(a, h, stream);
-      Tensor y = feed_forward(layer, layer.post_attention_layernorm.forward(a, n2, stream), stream);
-      ops::add_(y, a, stream);
-      h = y;
-    }
-    nn::RMSNorm::Context nf;
-    const Tensor hidden = model_->norm().forward(h, nf, stream);
+    // The model's own layers, their attention over the arena (the new keys
+    // and values are written into it).
+    nn::Qwen3Model::Context ctx;
+    nn::NoHooks no_hooks;
+    const Tensor hidden = model_->forward(batch, ctx, stream, no_hooks, arena_.source(lay, stream));
     const Tensor last = Tensor::empty({B, c.hidden_size}, model_->dtype(), dev, stream);
     ops::gather_rows(hidden, Tensor::from_vector(last_rows, {B}, dev, stream), last, stream);
-    const Tensor logits = Tensor::empty({B, c.vocab_size}, DType::f32, dev, stream);
-    ops::linear_forward(last, model_->lm_head().value, logits, stream);
+    const Tensor logits = model_->logits(last, stream);
     const std::vector<int32_t> sampled = sample(requests, running, out, logits, stream);
     std::map<float, std::vector<int32_t>> by_temperature;  // temperature -> rows of `last`
     for (int64_t b = 0; b < B; ++b) {
@@ -344,42 +336,6 @@ class Engine {
                                              int64_t(out[r.request].tokens.size()), scratch_);
     }
     return sampled;
-  }
-
-  // Attention::forward with the keys and values of earlier steps read from the
-  // arena: the same ops on the same rows.
-  Tensor cached_attention(nn::Attention& at, const Tensor& x, const Tensor& pos, const Tensor& cu_q, const Tensor& cu_k,
-                          const ArenaLayout& lay, const Tensor& write_rows, std::size_t layer, const Stream& stream) {
-    const auto& cfg = at.config;
-    const int64_t T = x.size(0), hq = cfg.num_heads, hkv = cfg.num_kv_heads, d = cfg.head_dim;
-    nn::Attention::Context ctx;
-    Tensor q = at.q_proj.forward(x, ctx.q_proj, stream).reshape({T, hq, d});
-    Tensor k = at.k_proj.forward(x, ctx.k_proj, stream).reshape({T, hkv, d});
-    Tensor v = at.v_proj.forward(x, ctx.v_proj, stream).reshape({T, hkv, d});
-    Tensor qn = at.q_norm.forward(q, ctx.q_norm, stream);
-    Tensor kn = at.k_norm.forward(k, ctx.k_norm, stream);
-    ops::rope_forward(qn, kn, pos, cfg.rope_theta, qn, kn, stream);
-    const Tensor& K = arena_.k[layer];
-    const Tensor& V = arena_.v[layer];
-    ops::scatter_rows(kn, write_rows, K, stream);
-    ops::scatter_rows(v, write_rows, V, stream);
-    Tensor o = Tensor::empty({T, hq, d}, at.options.dtype, at.options.device, stream);
-    Tensor lse = Tensor::empty({T, hq}, DType::f32, at.options.device, stream);
-    ops::AttentionOptions opt;
-    opt.align = ops::CausalAlign::bottom_right;  // queries are the last rows of their sequence's keys
-    ops::attention_forward(qn, K, V, cu_q, cu_k, lay.max_q, lay.max_k, o, lse, opt, stream);
-    return at.o_proj.forward(o.reshape({T, hq * d}), ctx.o_proj, stream);
-  }
-
-  // The layer's MLP, or its MoE block (router + experts, expert parallel
-  // when the engine's model was built with one).
-  Tensor feed_forward(nn::DecoderLayer& layer, const Tensor& x, const Stream& stream) {
-    if (layer.is_sparse()) {
-      nn::SparseMoeBlock::Context ctx;
-      return layer.moe->forward(x, ctx, stream);
-    }
-    nn::MLP::Context ctx;
-    return layer.mlp.forward(x, ctx, stream);
   }
 
   nn::Qwen3Model* model_;

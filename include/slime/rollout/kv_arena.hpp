@@ -9,8 +9,11 @@
 // sequence b's keys from rows [cu_k[b], cu_k[b + 1]) of one tensor. The engine
 // passes the arena itself as the key tensor and describes the rows between
 // regions (free rows, and the unused tail of each region) as extra sequences
-// with no queries, so decoding needs no gather of the cache. KvArena::layout
-// builds those cu_seqlens.
+// with no queries, so decoding needs no gather of the cache. arena_layout
+// builds those cu_seqlens, and KvArena::source turns the arena and a layout
+// into the model's K/V source (nn::CachedKv, nn/kv_source.hpp): the model's
+// own forward writes the new keys and values into the arena and attends over
+// it.
 #pragma once
 
 #include <algorithm>
@@ -22,6 +25,7 @@
 
 #include "slime/core/error.hpp"
 #include "slime/core/tensor.hpp"
+#include "slime/nn/kv_source.hpp"
 
 namespace slime::rollout {
 
@@ -147,6 +151,25 @@ struct KvArena {
     v.clear();
   }
   bool allocated() const { return !k.empty(); }
+
+  // The arena as the K/V source of a step laid out by `lay` (arena_layout of
+  // the step's segments, over this arena's capacity): the batch of the step
+  // must have cu_seqlens lay.cu_q (the gaps are sequences without tokens) and
+  // its tokens in segment order. The index tensors are made on the arena's
+  // device; the returned source refers to k and v (keep the arena alive).
+  nn::CachedKv source(const ArenaLayout& lay, const Stream& stream = {}) const {
+    SLIME_CHECK(allocated(), "KvArena::source: the arena is not allocated");
+    SLIME_CHECK(!lay.cu_k.empty() && lay.cu_k.back() == capacity, "KvArena::source: the layout covers ",
+                lay.cu_k.empty() ? 0 : lay.cu_k.back(), " rows, the arena ", capacity);
+    const Device dev = k.front().device();
+    nn::CachedKv kv;
+    kv.k = k;
+    kv.v = v;
+    kv.write_rows = Tensor::from_vector(lay.write_rows, {int64_t(lay.write_rows.size())}, dev, stream);
+    kv.cu_seqlens_k = Tensor::from_vector(lay.cu_k, {int64_t(lay.cu_k.size())}, dev, stream);
+    kv.max_seqlen_k = lay.max_k;
+    return kv;
+  }
   std::size_t nbytes() const {
     std::size_t n = 0;
     for (const auto& t : k) n += t.nbytes();
