@@ -202,8 +202,7 @@ class Trainer {
       for (int64_t i = 0; i < dataset_->size(); ++i) longest = std::max<int64_t>(longest, (*dataset_)[i].tokens.size());
       context = longest + o.max_new_tokens;
     }
-    if (o.kl_coef != 0)
-      ref_.emplace(model, ep_.get(), rl::ReferenceModelConfig{.update_every = 0, .offload = o.offload});
+    if (o.kl_coef != 0) ref_.emplace(model, *mesh_, rl::ReferenceModelConfig{.update_every = 0, .offload = o.offload});
     optim::AdamWConfig adamw;
     adamw.weight_decay = o.weight_decay;
     policy_ = std::make_unique<Policy>(std::move(model), *mesh_, parallel::ShardedOptions{}, adamw);
@@ -661,7 +660,9 @@ class Trainer {
   std::unique_ptr<data::Task> task_;
   std::optional<data::PromptDataset> dataset_;  // --prompts
   std::unique_ptr<Policy> policy_;
-  std::optional<rl::ReferenceModel<>> ref_;
+  // The KL reference: a frozen Sharded model over the policy's mesh (its
+  // shards, its expert slices), offloaded outside the training phase.
+  std::optional<rl::ShardedReferenceModel<nn::Qwen3Model>> ref_;
   std::unique_ptr<nn::Qwen3Model> engine_model_;
   std::unique_ptr<rollout::Engine> engine_;
   bool engine_on_device_ = false;  // --offload: the engine, not the policy, holds the device
