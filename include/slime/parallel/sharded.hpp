@@ -6,9 +6,14 @@
 // optim::AdamWConfig the constructors take; optim::NoOptimizer for a frozen
 // model, parallel::Frozen) and access for checkpoints.
 //
-// The pieces: flat_shard.hpp (FlatShardLayout: how a unit's parameters pack
-// into one flat shard per rank), optim/optimizer.hpp (the optimizer concept)
-// and this file (the units' buffers, gathers, reductions and runtime offload).
+// The pieces, composed here: flat_shard.hpp (FlatShardLayout: how a unit's
+// parameters pack into one flat shard per rank), flat_param_group.hpp
+// (FlatParamGroup: one unit's buffers and events, and its gather, release
+// and reduce-scatter steps), shard_offload.hpp (ShardOffload: runtime offload
+// of the groups and of the optimizer's state) and optim/optimizer.hpp (the
+// optimizer concept). Sharded builds one group per unit of the module, drives
+// the groups from the module's unit hooks and runs the optimizer over their
+// master shards.
 //
 // What a rank holds (per unit: the module's units(), nn/units.hpp; layout: flat_shard.hpp):
 //   master shard   [shard_numel] fp32: what the optimizer (AdamW) updates
@@ -174,7 +179,9 @@
 #include "slime/optim/adamw.hpp"
 #include "slime/optim/grad_clip.hpp"
 #include "slime/optim/optimizer.hpp"
+#include "slime/parallel/flat_param_group.hpp"
 #include "slime/parallel/flat_shard.hpp"
+#include "slime/parallel/shard_offload.hpp"
 #include "slime/parallel/sharding_strategy.hpp"
 
 namespace slime::parallel {
@@ -191,17 +198,6 @@ struct LocalShard {
   bool expert = false;
   int64_t first_expert = 0;
 };
-
-// Which data-parallel group a unit shards over (nn::UnitKind):
-//   dense:  every rank holding the same copy of the parameters: with expert
-//           parallelism (a Mesh with ep > 1) the flattened dp_shard x ep
-//           group, since every ep rank holds the same dense parameters.
-//   expert: expert weights split over ep_degree > 1 ranks: the unit shards
-//           over the data-parallel ranks holding the same slice (the mesh's
-//           dp_shard axis) and its gradients reduce over those only (the
-//           expert's gradient on its ep rank already covers the tokens every
-//           ep rank routed to it, through the block's all_to_all).
-using ShardGroup = nn::UnitKind;
 
 template <class Module, ShardingStrategy Strategy = FullShard, optim::ShardOptimizer Optimizer = optim::AdamW>
 class Sharded {
@@ -267,7 +263,7 @@ class Sharded {
   // replicate group: NoShard's replicas, HybridShard's dp_replicate, the dp
   // ranks of an expert slice under NoShard); 0 when there are none.
   int unit_replicate_rank(std::size_t u) const {
-    const Unit& x = units_.at(u);
+    const FlatParamGroup& x = units_.at(u);
     return x.replicate ? x.replicate->rank() : 0;
   }
   std::size_t num_units() const { return units_.size(); }
@@ -289,48 +285,10 @@ class Sharded {
     wait_for_reductions(s);                  // s after the communication stream's work
     if (offload_) params_uploaded_.wait(s);  // the staging shards' last uploads done before they are overwritten
     for (std::size_t i = 0; i < units_.size(); ++i) release_gathered(i, s);
-    std::size_t bytes = 0;
-    auto down = [&](Tensor& host, const Tensor& dev) {
-      if (!host.defined()) host = Tensor::empty_pinned(dev.shape(), dev.dtype());
-      host.copy_from(dev, s);
-      bytes += dev.nbytes();
-    };
-    constexpr std::size_t k = Optimizer::state_per_param;
-    std::vector<std::pair<std::string, Tensor>> state;  // unit i: entries [k i, k i + k)
-    if (!offload_) state = optimizer_.state_tensors();
     // A frozen model's masters change only through load_parameter: the host
     // copies of the last cycle are still current unless it was called.
-    const bool masters_current = !trains && host_masters_current_;
-    for (std::size_t i = 0; i < units_.size(); ++i) {
-      Unit& u = units_[i];
-      if (!offload_ && !masters_current) down(u.host_master, u.master);
-      if (separate_compute_) down(u.host_compute, u.compute);
-      if constexpr (trains) down(u.host_grad, u.grad_shard);
-      u.full_grad_offloaded = !u.direct_grads && u.full_grad.defined();
-      if (u.full_grad_offloaded) down(u.host_full_grad, u.full_grad);
-      if (!state.empty()) {
-        u.host_state.resize(k);
-        for (std::size_t j = 0; j < k; ++j) down(u.host_state[j], state[k * i + j].second);
-      }
-    }
-    state.clear();
-    s.synchronize();
-    // The device buffers go (freed in order on the communication stream,
-    // where they were allocated, after the copies).
-    turn_.record(s);
-    turn_.wait(comm_stream_);
-    for (Unit& u : units_) {
-      for (nn::Parameter* p : u.params) {
-        p->value = Tensor{};
-        p->grad = Tensor{};
-      }
-      u.gathered = Tensor{};
-      u.full_grad = Tensor{};
-      u.compute = Tensor{};
-      u.grad_shard = Tensor{};
-      if (!offload_) u.master = u.host_master;  // checkpoint reads see the host copy
-    }
-    if (!offload_) optimizer_.release_state();  // the step count stays; onload restores the state
+    const std::size_t bytes =
+        host_.offload(units_, optimizer_, offload_, !trains && host_masters_current_, s, comm_stream_, turn_);
     host_masters_current_ = true;
     // The modules' op workspaces go too (allocated again by the next backward).
     if constexpr (requires(Module & m) { m.for_each_workspace([](Tensor&) {}); }) nn::release_workspaces(module());
@@ -348,40 +306,7 @@ class Sharded {
     const Stream& c = comm_stream_;
     turn_.record(s);
     turn_.wait(c);
-    auto up = [&](const Tensor& host) {
-      Tensor t = Tensor::empty(host.shape(), host.dtype(), device_, c);
-      t.copy_from(host, c);
-      return t;
-    };
-    std::vector<Tensor> masters;
-    for (Unit& u : units_) {
-      if (!offload_) u.master = up(u.host_master);
-      u.compute = separate_compute_ ? up(u.host_compute) : u.master;
-      if constexpr (trains) u.grad_shard = up(u.host_grad);
-      if (u.aliased) {
-        u.gathered = u.compute;
-        install_values(u);
-      }
-      if (u.direct_grads) {
-        u.full_grad = u.grad_shard;
-        install_grads(u);
-      } else if (u.full_grad_offloaded) {
-        u.full_grad = up(u.host_full_grad);
-        install_grads(u);
-        u.full_grad_offloaded = false;
-      }
-      u.gathered_ready.record(c);
-      u.grad_ready.record(c);
-      masters.push_back(u.master);
-    }
-    if (!offload_) {
-      optimizer_.init_state(masters, c);  // zero state on the device, overwritten here
-      constexpr std::size_t k = Optimizer::state_per_param;
-      auto state = optimizer_.state_tensors();
-      for (std::size_t i = 0; i < units_.size(); ++i)
-        for (std::size_t j = 0; j < units_[i].host_state.size(); ++j)
-          state[k * i + j].second.copy_from(units_[i].host_state[j], c);
-    }
+    host_.onload(units_, optimizer_, offload_, c);
     params_updated_.record(c);
     if (offload_) params_uploaded_.record(c);  // the CPU AdamW waits for it before writing the staging shards
     turn_.record(c);
@@ -394,18 +319,7 @@ class Sharded {
   std::size_t offload_transfer_bytes() const { return transfer_bytes_; }
   // Pinned bytes held for runtime offload (allocated by the first offload;
   // cpu_offload's own master and staging shards not counted).
-  std::size_t offload_host_bytes() const {
-    std::size_t n = 0;
-    for (const Unit& u : units_) {
-      for (const Tensor* t : {&u.host_master, &u.host_full_grad})
-        if (t->defined()) n += t->nbytes();
-      for (const Tensor& t : u.host_state) n += t.nbytes();
-      if (!offload_)
-        for (const Tensor* t : {&u.host_compute, &u.host_grad})
-          if (t->defined()) n += t->nbytes();
-    }
-    return n;
-  }
+  std::size_t offload_host_bytes() const { return host_.host_bytes(units_, offload_); }
 
   // ---- the step (the calls of the wrapped model) --------------------------
 
@@ -547,8 +461,8 @@ class Sharded {
     check_onloaded("zero_grad");
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
-    for (Unit& u : units_) {
-      if (!u.direct_grads && u.full_grad.defined()) release_full_grad(u, s);
+    for (FlatParamGroup& u : units_) {
+      if (!u.direct_grads && u.full_grad.defined()) u.release_full_grad(s, comm_stream_);
       u.grad_shard.zero_(s);
     }
     grads_zeroed_.record(s);
@@ -580,7 +494,7 @@ class Sharded {
     // Gathered parameters go stale with the update.
     for (std::size_t i = 0; i < units_.size(); ++i) release_gathered(i, s);
     std::vector<Tensor> params, grads = grad_shards(), copies;
-    for (Unit& u : units_) {
+    for (FlatParamGroup& u : units_) {
       params.push_back(u.master);
       if (separate_compute_) copies.push_back(u.compute);
     }
@@ -595,16 +509,16 @@ class Sharded {
       // back to the device. Before the CPU writes the staging shards, the
       // previous step's uploads from them must be done (they may have been
       // queued on another stream): wait for those and for the downloads.
-      for (Unit& u : units_) u.host_grad.copy_from(u.grad_shard, s);
+      for (FlatParamGroup& u : units_) u.host_grad.copy_from(u.grad_shard, s);
       params_uploaded_.synchronize();
       s.synchronize();
       std::vector<Tensor> host_grads, staging;
-      for (Unit& u : units_) {
+      for (FlatParamGroup& u : units_) {
         host_grads.push_back(u.host_grad);
         staging.push_back(u.host_compute);
       }
       optimizer_.step(params, host_grads, lr, scale, staging, Stream{});
-      for (Unit& u : units_) u.compute.copy_from(u.host_compute, s);
+      for (FlatParamGroup& u : units_) u.compute.copy_from(u.host_compute, s);
       params_uploaded_.record(s);
     } else {
       optimizer_.step(params, grads, lr, scale, copies, s);
@@ -618,8 +532,8 @@ class Sharded {
   // f(const LocalShard&) for every parameter, in the module's unit order.
   template <class F>
   void for_each_local_shard(F&& f) {
-    for (Unit& u : units_) {
-      const int r = unit_rank(u);
+    for (FlatParamGroup& u : units_) {
+      const int r = u.rank();
       const bool expert = u.group == ShardGroup::expert;
       const auto& es = u.layout.entries();
       for (std::size_t i = 0; i < es.size(); ++i) {
@@ -633,7 +547,7 @@ class Sharded {
   // Names of the parameters, in unit order (the order of for_each_local_shard).
   std::vector<std::string> parameter_names() const {
     std::vector<std::string> names;
-    for (const Unit& u : units_)
+    for (const FlatParamGroup& u : units_)
       for (const FlatShardEntry& e : u.layout.entries()) names.push_back(e.name);
     return names;
   }
@@ -692,36 +606,12 @@ class Sharded {
     SLIME_CHECK(full.device() == device_, "Sharded::load_parameter: '", name, "' must be on ", device_, ", got ",
                 full.str());
     release_gathered(u, s);
-    copy_rows(units_[u], e, full, s);
+    units_[u].copy_rows(e, full, s);
     params_updated_.record(s);
     host_masters_current_ = false;
   }
 
  private:
-  struct Unit {
-    std::string name;
-    std::vector<nn::Parameter*> params;
-    ShardGroup group = ShardGroup::dense;
-    comm::Comm* shard = nullptr;      // null: one rank per shard group
-    comm::Comm* replicate = nullptr;  // null: no replicas
-    bool aliased = false;             // gathered buffer = compute shard (shard group of one)
-    bool direct_grads = false;        // gradients accumulate straight into the grad shard
-    float grad_scale = 1.f;           // applied after the reduction (expert units with avg: 1 / ep)
-    FlatShardLayout layout;
-    Tensor master, compute, grad_shard;
-    // Pinned: cpu_offload's staging shards (f32, compute dtype), made by the
-    // constructor; with runtime offload alone, the grad and compute shards'
-    // copies, made by the first offload.
-    Tensor host_grad, host_compute;
-    Tensor host_master;                // runtime offload without cpu_offload (pinned, master dtype)
-    std::vector<Tensor> host_state;    // runtime offload: the optimizer's k state tensors (pinned)
-    Tensor host_full_grad;             // runtime offload of unreduced gradients (pinned, f32)
-    bool full_grad_offloaded = false;  // host_full_grad holds the unit's unreduced gradients
-    Tensor gathered;                   // defined while gathered (views installed)
-    Tensor full_grad;                  // defined while unreduced gradients accumulate (views installed)
-    Event gathered_ready, grad_ready, params_free;
-  };
-
   // The callbacks the module's forward / backward make around each unit.
   struct Hooks {
     Sharded& self;
@@ -847,7 +737,7 @@ class Sharded {
     grads_zeroed_.wait(comm_stream_);
     units_.reserve(units.size());
     for (nn::Unit& su : units) {
-      Unit u;
+      FlatParamGroup u;
       u.name = su.name;
       u.params = su.params;
       u.group = su.kind;
@@ -856,6 +746,9 @@ class Sharded {
       u.replicate = expert ? expert_replicate_comm_ : replicate_comm_;
       u.aliased = u.shard == nullptr;
       u.direct_grads = trains && u.shard == nullptr && u.replicate == nullptr;
+      u.separate_compute = separate_compute_;
+      u.device = device_;
+      u.compute_dtype = compute_dtype_;
       if (expert && options_.gradient_reduce == comm::ReduceOp::avg) u.grad_scale = 1.f / float(groups.ep);
       std::vector<std::pair<std::string, Shape>> shapes;
       for (const nn::Parameter* p : su.params) shapes.emplace_back(p->name, p->value.shape());
@@ -872,7 +765,7 @@ class Sharded {
       u.compute = separate_compute_ ? Tensor::zeros({n}, compute_dtype_, device_, comm_stream_) : u.master;
       if constexpr (trains) u.grad_shard = Tensor::zeros({n}, DType::f32, device_, comm_stream_);
       for (std::size_t i = 0; i < su.params.size(); ++i)
-        copy_rows(u, u.layout.entries()[i], su.params[i]->value, comm_stream_);
+        u.copy_rows(u.layout.entries()[i], su.params[i]->value, comm_stream_);
       u.gathered_ready = Event(device_, false);
       u.grad_ready = Event(device_, false);
       u.params_free = Event(device_, false);
@@ -882,26 +775,26 @@ class Sharded {
     // are done); from here on values and gradients are views.
     params_updated_.record(comm_stream_);
     params_updated_.wait(init);
-    for (Unit& u : units_)
+    for (FlatParamGroup& u : units_)
       for (nn::Parameter* p : u.params) {
         p->value = Tensor{};
         p->grad = Tensor{};
       }
     for (std::size_t i = 0; i < units_.size(); ++i) {
-      Unit& u = units_[i];
+      FlatParamGroup& u = units_[i];
       if (u.aliased) {
         u.gathered = u.compute;
-        install_values(u);
+        u.install_values();
       }
       if (u.direct_grads) {
         u.full_grad = u.grad_shard;
-        install_grads(u);
+        u.install_grads();
       }
       u.gathered_ready.record(comm_stream_);
     }
     // The optimizer's moments now, so a rank's memory is known up front.
     std::vector<Tensor> masters;
-    for (const Unit& u : units_) masters.push_back(u.master);
+    for (const FlatParamGroup& u : units_) masters.push_back(u.master);
     optimizer_.init_state(masters, offload_ ? Stream{} : comm_stream_);
     for (std::size_t i = 0; i < units_.size(); ++i)
       for (std::size_t j = 0; j < units_[i].layout.entries().size(); ++j)
@@ -966,9 +859,6 @@ class Sharded {
     return all.view(0, e.shape);
   }
 
-  // This rank's index in unit u's shard group.
-  static int unit_rank(const Unit& u) { return u.shard ? u.shard->rank() : 0; }
-
   // The 2-norm of the gradient over all shards (see grad_norm).
   double global_norm(const Stream& s) {
     if (!has_expert_units_ || expert_norm_comm_ == shard_comm_)
@@ -976,7 +866,7 @@ class Sharded {
     // NoShard with expert units: the dense gradients are replicated, the
     // expert ones differ across ep.
     std::vector<Tensor> dense, expert;
-    for (const Unit& u : units_) (u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
+    for (const FlatParamGroup& u : units_) (u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
     const double d = optim::global_grad_norm(dense, shard_comm_, s);
     const double e = optim::global_grad_norm(expert, expert_norm_comm_, s);
     return std::sqrt(d * d + e * e);
@@ -1021,49 +911,8 @@ class Sharded {
     return it->second;
   }
 
-  // This rank's rows of `full` into the master (and compute) shard.
-  void copy_rows(Unit& u, const FlatShardEntry& e, const Tensor& full, const Stream& s) {
-    const int r = unit_rank(u);
-    const int64_t b = e.begin(r), n = e.end(r) - b;
-    if (n == 0) return;
-    const Tensor src = full.reshape(Shape{e.numel}).view(b, Shape{n});
-    Tensor master = u.master.view(e.shard_offset, Shape{n});
-    if (master.device() == src.device()) {
-      ops::cast(src, master, s);
-    } else {  // an offloaded master: cast on the device, then download (and wait: not a hot path)
-      Tensor tmp = Tensor::empty({n}, master_dtype_, device_, s);
-      ops::cast(src, tmp, s);
-      master.copy_from(tmp, s);
-      s.synchronize();
-    }
-    if (separate_compute_) ops::cast(src, u.compute.view(e.shard_offset, Shape{n}), s);
-  }
-
-  void install_values(Unit& u) {
-    const auto& es = u.layout.entries();
-    for (std::size_t i = 0; i < es.size(); ++i)
-      u.params[i]->value = u.gathered.view(u.layout.gathered_offset(i), es[i].shape);
-  }
-  void install_grads(Unit& u) {
-    const auto& es = u.layout.entries();
-    for (std::size_t i = 0; i < es.size(); ++i)
-      u.params[i]->grad = u.full_grad.view(u.layout.gathered_offset(i), es[i].shape);
-  }
-
-  // Queues the all-gather of unit i on the communication stream (no-op when
-  // gathered or aliased).
-  void issue_gather(std::size_t i) {
-    Unit& u = units_[i];
-    if (u.gathered.defined()) return;
-    params_updated_.wait(comm_stream_);
-    const int64_t n = u.layout.gathered_numel();
-    Tensor rank_major = Tensor::empty({n}, compute_dtype_, device_, comm_stream_);
-    u.shard->all_gather(u.compute, rank_major, comm_stream_);
-    u.gathered = Tensor::empty({n}, compute_dtype_, device_, comm_stream_);
-    unpack_rank_major(rank_major, u.gathered, u.layout, comm_stream_);
-    u.gathered_ready.record(comm_stream_);
-    install_values(u);
-  }
+  // The steps on one unit (flat_param_group.hpp), on the communication stream.
+  void issue_gather(std::size_t i) { units_[i].issue_gather(comm_stream_, params_updated_); }
 
   // Unit i gathered, and `s` ordered after the gather.
   void gather_for_use(std::size_t i, const Stream& s) {
@@ -1071,70 +920,10 @@ class Sharded {
     units_[i].gathered_ready.wait(s);
   }
 
-  // Drops unit i's gathered buffer once the work queued on `s` is done.
-  void release_gathered(std::size_t i, const Stream& s) {
-    Unit& u = units_[i];
-    if (u.aliased || !u.gathered.defined()) return;
-    for (nn::Parameter* p : u.params) p->value = Tensor{};
-    u.params_free.record(s);
-    u.params_free.wait(comm_stream_);
-    u.gathered = Tensor{};
-  }
-
-  // Unit i's full fp32 gradient buffer exists (zero when new), `s` ordered
-  // after its zero-fill.
-  void ensure_full_grad(std::size_t i, const Stream& s) {
-    Unit& u = units_[i];
-    if (!u.full_grad.defined()) {
-      u.full_grad = Tensor::zeros({u.layout.gathered_numel()}, DType::f32, device_, comm_stream_);
-      u.grad_ready.record(comm_stream_);
-      install_grads(u);
-    }
-    u.grad_ready.wait(s);
-  }
-
-  void release_full_grad(Unit& u, const Stream& s) {
-    for (nn::Parameter* p : u.params) p->grad = Tensor{};
-    u.params_free.record(s);
-    u.params_free.wait(comm_stream_);
-    u.full_grad = Tensor{};
-  }
-
-  // Reduces unit i's full gradient into its grad shard on the communication
-  // stream, after the work queued on `s`; then frees the full gradient.
+  void release_gathered(std::size_t i, const Stream& s) { units_[i].release_gathered(s, comm_stream_); }
+  void ensure_full_grad(std::size_t i, const Stream& s) { units_[i].ensure_full_grad(s, comm_stream_); }
   void reduce(std::size_t i, const Stream& s) {
-    Unit& u = units_[i];
-    if (u.direct_grads || !u.full_grad.defined()) return;
-    u.params_free.record(s);
-    u.params_free.wait(comm_stream_);
-    const Stream& c = comm_stream_;
-    const DType rd = options_.precision.reduce;
-    const int64_t n = u.layout.shard_numel();
-    Tensor src = u.full_grad;
-    if (rd != DType::f32) {
-      src = Tensor::empty(u.full_grad.shape(), rd, device_, c);
-      ops::cast(u.full_grad, src, c);
-    }
-    Tensor out;
-    if (u.shard) {
-      Tensor rank_major = Tensor::empty({u.layout.gathered_numel()}, rd, device_, c);
-      pack_rank_major(src, rank_major, u.layout, c);
-      out = Tensor::empty({n}, rd, device_, c);
-      u.shard->reduce_scatter(rank_major, out, options_.gradient_reduce, c);
-    } else {
-      out = src;  // one rank per shard group: the layout is the shard's
-    }
-    if (u.replicate) u.replicate->all_reduce(out, options_.gradient_reduce, c);
-    if (u.grad_scale != 1.f) ops::scale(out, u.grad_scale, out, c);
-    if (rd != DType::f32) {
-      Tensor f = Tensor::empty({n}, DType::f32, device_, c);
-      ops::cast(out, f, c);
-      out = f;
-    }
-    ops::add_(u.grad_shard, out, c);
-    for (nn::Parameter* p : u.params) p->grad = Tensor{};
-    u.full_grad = Tensor{};
-    grads_reduced_.record(c);
+    units_[i].reduce(s, comm_stream_, options_.precision.reduce, options_.gradient_reduce, grads_reduced_);
   }
 
   void wait_for_reductions(const Stream& s) {
@@ -1144,7 +933,7 @@ class Sharded {
 
   std::vector<Tensor> grad_shards() const {
     std::vector<Tensor> g;
-    for (const Unit& u : units_) g.push_back(u.grad_shard);
+    for (const FlatParamGroup& u : units_) g.push_back(u.grad_shard);
     return g;
   }
 
@@ -1162,7 +951,8 @@ class Sharded {
   DType compute_dtype_ = DType::f32, master_dtype_ = DType::f32;
   bool separate_compute_ = false;  // compute shard distinct from the master shard
   bool offload_ = false;           // master shards and AdamW states on the host (cpu_offload)
-  std::vector<Unit> units_;
+  std::vector<FlatParamGroup> units_;
+  ShardOffload host_;  // runtime offload's pinned copies
   std::size_t lm_head_unit_ = 0;
   std::unordered_map<std::string, std::pair<std::size_t, std::size_t>> index_;
   Stream comm_stream_, last_stream_;

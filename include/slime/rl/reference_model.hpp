@@ -61,6 +61,27 @@ struct ReferenceModelConfig {
   bool offload = true;
 };
 
+namespace detail {
+
+// Every micro-batch of a step (both reference forms): onloads if needed,
+// scores each batch, and offloads again if it was offloaded.
+template <class Ref>
+std::vector<Tensor> score_all(Ref& ref, const char* where, std::span<const nn::PackedBatch> batches,
+                              std::span<const Tensor> targets, float temperature, const Stream& stream) {
+  SLIME_CHECK(batches.size() == targets.size(), where, ": ", batches.size(), " micro-batches but ", targets.size(),
+              " target tensors");
+  const bool was_offloaded = ref.is_offloaded();
+  ref.onload(stream);
+  std::vector<Tensor> out;
+  out.reserve(batches.size());
+  for (std::size_t i = 0; i < batches.size(); ++i)
+    out.push_back(ref.logprobs(batches[i], targets[i], temperature, stream));
+  if (was_offloaded) ref.offload(stream);
+  return out;
+}
+
+}  // namespace detail
+
 // Model: nn::Qwen3Model or any model with the same interface (a constructor
 // from (config(), options()), for_each_parameter, forward, token_logprobs).
 template <class Model = nn::Qwen3Model>
@@ -164,16 +185,7 @@ class ReferenceModel {
   // offloads again if it was offloaded.
   std::vector<Tensor> logprobs(std::span<const nn::PackedBatch> batches, std::span<const Tensor> targets,
                                float temperature = 1.f, const Stream& stream = {}) {
-    SLIME_CHECK(batches.size() == targets.size(), "ReferenceModel::logprobs: ", batches.size(), " micro-batches but ",
-                targets.size(), " target tensors");
-    const bool was_offloaded = offload_.offloaded();
-    onload(stream);
-    std::vector<Tensor> out;
-    out.reserve(batches.size());
-    for (std::size_t i = 0; i < batches.size(); ++i)
-      out.push_back(logprobs(batches[i], targets[i], temperature, stream));
-    if (was_offloaded) offload(stream);
-    return out;
+    return detail::score_all(*this, "ReferenceModel::logprobs", batches, targets, temperature, stream);
   }
 
  private:
@@ -306,16 +318,7 @@ class ShardedReferenceModel {
   // offloads again if it was offloaded.
   std::vector<Tensor> logprobs(std::span<const nn::PackedBatch> batches, std::span<const Tensor> targets,
                                float temperature = 1.f, const Stream& stream = {}) {
-    SLIME_CHECK(batches.size() == targets.size(), "ShardedReferenceModel::logprobs: ", batches.size(),
-                " micro-batches but ", targets.size(), " target tensors");
-    const bool was_offloaded = is_offloaded();
-    onload(stream);
-    std::vector<Tensor> out;
-    out.reserve(batches.size());
-    for (std::size_t i = 0; i < batches.size(); ++i)
-      out.push_back(logprobs(batches[i], targets[i], temperature, stream));
-    if (was_offloaded) offload(stream);
-    return out;
+    return detail::score_all(*this, "ShardedReferenceModel::logprobs", batches, targets, temperature, stream);
   }
 
  private:
