@@ -40,41 +40,60 @@ wait $head_pid || { echo "head build failed:"; tail -n 30 "$OUT_DIR/build-head.l
 wait $base_pid || { echo "base build failed:"; tail -n 30 "$OUT_DIR/build-base.log"; exit 1; }
 echo "built both trees in $((SECONDS - t0)) s"
 
-for ((r = 1; r <= ROUNDS; ++r)); do
+# Every run gets at most CAP_S seconds and none starts past BUDGET_S (whole
+# script): round 1 of every family first, then the PyTorch baselines, then the
+# remaining rounds, so a short budget still gives one comparison.
+CAP_S=${CAP_S:-120}
+BUDGET_S=${BUDGET_S:-540}
+left() { echo $((BUDGET_S - SECONDS)); }
+limit() { local l; l=$(left); echo $((l < CAP_S ? l : CAP_S)); }
+run_round() {
+  local r=$1 f side dir json t lim
   for f in "${families[@]}"; do
     for side in base head; do
-      dir=build/ab-head
+      lim=$(limit)
+      if ((lim < 10)); then echo "round $r $f $side: not run (out of time)"; continue; fi
+      dir=$PWD/build/ab-head
       [[ $side == base ]] && dir=$BASE/build/ab-base
       json="$OUT_DIR/${side}_${f}_$r.json"
       t=$SECONDS
       (cd "$([[ $side == base ]] && echo "$BASE" || echo .)" &&
-        timeout 240 "$dir/bench/bench_$f" --benchmark_out="$json" --benchmark_out_format=json) \
-        >"$OUT_DIR/${side}_${f}_$r.log" 2>&1 || echo "bench_$f ($side, round $r) failed: $OUT_DIR/${side}_${f}_$r.log"
+        timeout "$lim" "$dir/bench/bench_$f" --benchmark_out="$json" --benchmark_out_format=json) \
+        >"$OUT_DIR/${side}_${f}_$r.log" 2>&1 || echo "bench_$f ($side, round $r) failed or timed out: $OUT_DIR/${side}_${f}_$r.log"
       echo "round $r $f $side: $((SECONDS - t)) s"
     done
   done
-done
+}
+torch_baselines() {
+  local f lim
+  for f in "${families[@]}"; do
+    lim=$(limit)
+    ((lim < 10)) && { echo "torch $f: not run (out of time)"; continue; }
+    if [[ $f == fsdp ]]; then
+      timeout "$lim" python3 bench/torch_fsdp2.py --out "$OUT_DIR/torch_fsdp.json" >"$OUT_DIR/torch_fsdp.log" 2>&1 ||
+        echo "torch_fsdp2 failed: $OUT_DIR/torch_fsdp.log"
+    elif [[ -f bench/torch_$f.py ]]; then
+      timeout "$lim" python3 "bench/torch_$f.py" --out "$OUT_DIR/torch_$f.json" >"$OUT_DIR/torch_$f.log" 2>&1 ||
+        echo "torch_$f failed: $OUT_DIR/torch_$f.log"
+    fi
+  done
+}
+run_round 1
+torch_baselines
+for ((r = 2; r <= ROUNDS; ++r)); do run_round "$r"; done
+last=1
+for ((r = ROUNDS; r >= 1; --r)); do [[ -f $OUT_DIR/head_${families[0]}_$r.json ]] && { last=$r; break; }; done
 
 for f in "${families[@]}"; do
+  echo "==== $f: torch beside head (round $last)"
   if [[ $f == fsdp ]]; then
-    timeout 240 python3 bench/torch_fsdp2.py --out "$OUT_DIR/torch_fsdp.json" >"$OUT_DIR/torch_fsdp.log" 2>&1 ||
-      echo "torch_fsdp2 failed: $OUT_DIR/torch_fsdp.log"
-  elif [[ -f bench/torch_$f.py ]]; then
-    timeout 240 python3 "bench/torch_$f.py" --out "$OUT_DIR/torch_$f.json" >"$OUT_DIR/torch_$f.log" 2>&1 ||
-      echo "torch_$f failed: $OUT_DIR/torch_$f.log"
-  fi
-done
-
-for f in "${families[@]}"; do
-  echo "==== $f: torch beside head (last round)"
-  if [[ $f == fsdp ]]; then
-    python3 bench/torch_fsdp2.py --table --slime "$OUT_DIR/head_fsdp_$ROUNDS.json" --out "$OUT_DIR/torch_fsdp.json"
-    echo "==== $f: torch beside base (last round)"
-    python3 bench/torch_fsdp2.py --table --slime "$OUT_DIR/base_fsdp_$ROUNDS.json" --out "$OUT_DIR/torch_fsdp.json"
+    python3 bench/torch_fsdp2.py --table --slime "$OUT_DIR/head_fsdp_$last.json" --out "$OUT_DIR/torch_fsdp.json"
+    echo "==== $f: torch beside base (round $last)"
+    python3 bench/torch_fsdp2.py --table --slime "$OUT_DIR/base_fsdp_$last.json" --out "$OUT_DIR/torch_fsdp.json"
   elif [[ -f $OUT_DIR/torch_$f.json ]]; then
-    python3 bench/compare_ops.py --slime "$OUT_DIR/head_${f}_$ROUNDS.json" --torch "$OUT_DIR/torch_$f.json"
-    echo "==== $f: torch beside base (last round)"
-    python3 bench/compare_ops.py --slime "$OUT_DIR/base_${f}_$ROUNDS.json" --torch "$OUT_DIR/torch_$f.json"
+    python3 bench/compare_ops.py --slime "$OUT_DIR/head_${f}_$last.json" --torch "$OUT_DIR/torch_$f.json"
+    echo "==== $f: torch beside base (round $last)"
+    python3 bench/compare_ops.py --slime "$OUT_DIR/base_${f}_$last.json" --torch "$OUT_DIR/torch_$f.json"
   fi
 done
 
