@@ -103,10 +103,16 @@ import json, statistics, sys
 out, rounds, fams = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def times(path):
     try:
-        rows = json.load(open(path))["benchmarks"]
+        rows = [b for b in json.load(open(path))["benchmarks"] if not b.get("error_occurred")]
     except Exception:
         return {}
-    return {b["name"]: b["real_time"] for b in rows if b.get("run_type", "iteration") == "iteration"}
+    out = {}
+    for b in rows:  # plain runs, or the median of repeated ones (--benchmark_repetitions)
+        if b.get("run_type", "iteration") == "iteration":
+            out.setdefault(b["name"], b["real_time"])
+        elif b.get("aggregate_name") == "median":
+            out[b["name"][: -len("_median")]] = b["real_time"]
+    return out
 print(f"{'benchmark':64s} {'base':>12s} {'head':>12s} {'head/base':>9s}")
 for f in fams:
     base = [times(f"{out}/base_{f}_{r}.json") for r in range(1, rounds + 1)]
@@ -118,5 +124,9 @@ for f in fams:
             print(f"{name[:64]:64s} {'-':>12s} {statistics.median(h):12.1f} {'(new)':>9s}")
             continue
         mb, mh = statistics.median(b), statistics.median(h)
-        print(f"{name[:64]:64s} {mb:12.1f} {mh:12.1f} {mh / mb:9.3f}")
+        ratio = f"{mh / mb:9.3f}" if mb > 0 else f"{'-':>9s}"
+        print(f"{name[:64]:64s} {mb:12.1f} {mh:12.1f} {ratio}")
 EOF
+
+# One archive of every JSON and log (the GPU machine returns few files).
+tar -czf "$OUT_DIR/../bench-ab.tgz" -C "$OUT_DIR" . && mv "$OUT_DIR/../bench-ab.tgz" "$OUT_DIR/"
