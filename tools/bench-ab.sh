@@ -10,7 +10,10 @@
 # default 2) so drift of the machine hits both, runs each family's PyTorch
 # baseline once, and prints per benchmark the median time of each tree over
 # the rounds, head / base, and torch / slime for both (> 1: slime faster).
-# JSON and logs go to ${OUT:-build/ab}.
+# JSON and logs go to ${OUT:-build/ab}. BENCH_ARGS (e.g. a
+# --benchmark_filter) go to every benchmark binary; PIN=<cpu list> runs them
+# under taskset (host-bound benchmarks, e.g. batch-1 decode, vary less when
+# the process does not migrate between cores).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
@@ -58,7 +61,8 @@ run_round() {
       json="$OUT_DIR/${side}_${f}_$r.json"
       t=$SECONDS
       (cd "$([[ $side == base ]] && echo "$BASE" || echo .)" &&
-        timeout "$lim" "$dir/bench/bench_$f" --benchmark_out="$json" --benchmark_out_format=json) \
+        timeout "$lim" ${PIN:+taskset -c "$PIN"} "$dir/bench/bench_$f" ${BENCH_ARGS:-} --benchmark_out="$json" \
+          --benchmark_out_format=json) \
         >"$OUT_DIR/${side}_${f}_$r.log" 2>&1 || echo "bench_$f ($side, round $r) failed or timed out: $OUT_DIR/${side}_${f}_$r.log"
       echo "round $r $f $side: $((SECONDS - t)) s"
     done

@@ -38,7 +38,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <deque>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <utility>
@@ -236,43 +238,69 @@ class Engine {
     }
     const ArenaLayout lay = arena_layout(segs, arena_.capacity);
     const int64_t T = int64_t(tokens.size()), B = int64_t(running.size());
+    // Every index of the step goes up in one copy (a decode step is bound by
+    // the host: each upload costs as much as several kernel launches):
+    // [tokens T | positions T | cu_q B'+1 | cu_k B'+1 | write_rows T | last_rows B].
+    std::vector<int32_t> idx;
+    idx.reserve(std::size_t(3 * T + B) + lay.cu_q.size() + lay.cu_k.size());
+    for (const std::vector<int32_t>* part : std::initializer_list<const std::vector<int32_t>*>{
+             &tokens, &positions, &lay.cu_q, &lay.cu_k, &lay.write_rows, &last_rows})
+      idx.insert(idx.end(), part->begin(), part->end());
+    const Tensor uploaded = Tensor::from_vector(idx, {int64_t(idx.size())}, dev, stream);
+    int64_t at = 0;
+    const auto next = [&](std::size_t n) {
+      Tensor t = uploaded.view(at, Shape{int64_t(n)});
+      at += int64_t(n);
+      return t;
+    };
     // The step's batch: sequence b of the arena's layout holds the new tokens
     // of its region (none in the gaps), at their positions in the sequence.
     nn::PackedBatch batch;
-    batch.tokens = Tensor::from_vector(tokens, {T}, dev, stream);
-    batch.positions = Tensor::from_vector(positions, {T}, dev, stream);
+    batch.tokens = next(tokens.size());
+    batch.positions = next(positions.size());
     batch.cu_seqlens_host = lay.cu_q;
-    batch.cu_seqlens = Tensor::from_vector(lay.cu_q, {int64_t(lay.cu_q.size())}, dev, stream);
+    batch.cu_seqlens = next(lay.cu_q.size());
     batch.max_seqlen = lay.max_q;
+    const Tensor cu_k = next(lay.cu_k.size());
+    const Tensor write_rows = next(lay.write_rows.size());
+    const Tensor last_index = next(last_rows.size());
 
     // The model's own layers, their attention over the arena (the new keys
     // and values are written into it).
     nn::Qwen3Model::Context ctx;
     nn::NoHooks no_hooks;
-    const Tensor hidden = model_->forward(batch, ctx, stream, no_hooks, arena_.source(lay, stream));
+    const Tensor hidden = model_->forward(batch, ctx, stream, no_hooks, arena_.source(lay, write_rows, cu_k));
     const Tensor last = Tensor::empty({B, c.hidden_size}, model_->dtype(), dev, stream);
-    ops::gather_rows(hidden, Tensor::from_vector(last_rows, {B}, dev, stream), last, stream);
+    ops::gather_rows(hidden, last_index, last, stream);
     const Tensor logits = model_->logits(last, stream);
-    const std::vector<int32_t> sampled = sample(requests, running, out, logits, stream);
-    std::map<float, std::vector<int32_t>> by_temperature;  // temperature -> rows of `last`
+    const Tensor sampled_tokens = sample(requests, running, out, logits, stream);  // i32 [B]
+    std::map<float, std::vector<int32_t>> by_temperature;                          // temperature -> rows of `last`
     for (int64_t b = 0; b < B; ++b) {
       const float t = requests[running[std::size_t(b)].request].sampling.temperature;
       by_temperature[t == 0.f ? 1.f : t].push_back(int32_t(b));
     }
+    std::vector<int32_t> sampled;
     std::vector<float> lp(static_cast<std::size_t>(B));
-    for (const auto& [temperature, rows] : by_temperature) {
-      const int64_t n = int64_t(rows.size());
-      Tensor sub = last;  // one temperature (the usual case): every row
-      if (n < B) {
-        sub = Tensor::empty({n, c.hidden_size}, model_->dtype(), dev, stream);
+    if (by_temperature.size() == 1) {
+      // One temperature (the usual case): the logprobs of every row follow the
+      // sampling on the device, and one wait brings both back.
+      const Tensor targets = sampled_tokens.device() == dev ? sampled_tokens : sampled_tokens.to(dev, stream);
+      const ops::TokenLogprobs res = model_->token_logprobs(last, targets, by_temperature.begin()->first, stream);
+      sampled = sampled_tokens.to_vector<int32_t>(stream);
+      lp = res.logprobs.to_vector<float>(stream);
+    } else {
+      sampled = sampled_tokens.to_vector<int32_t>(stream);
+      for (const auto& [temperature, rows] : by_temperature) {
+        const int64_t n = int64_t(rows.size());
+        const Tensor sub = Tensor::empty({n, c.hidden_size}, model_->dtype(), dev, stream);
         ops::gather_rows(last, Tensor::from_vector(rows, {n}, dev, stream), sub, stream);
+        std::vector<int32_t> targets;
+        for (int32_t b : rows) targets.push_back(sampled[std::size_t(b)]);
+        const ops::TokenLogprobs res =
+            model_->token_logprobs(sub, Tensor::from_vector(targets, {n}, dev, stream), temperature, stream);
+        const std::vector<float> v = res.logprobs.to_vector<float>(stream);
+        for (int64_t j = 0; j < n; ++j) lp[std::size_t(rows[std::size_t(j)])] = v[std::size_t(j)];
       }
-      std::vector<int32_t> targets;
-      for (int32_t b : rows) targets.push_back(sampled[std::size_t(b)]);
-      const ops::TokenLogprobs res =
-          model_->token_logprobs(sub, Tensor::from_vector(targets, {n}, dev, stream), temperature, stream);
-      const std::vector<float> v = res.logprobs.to_vector<float>(stream);
-      for (int64_t j = 0; j < n; ++j) lp[std::size_t(rows[std::size_t(j)])] = v[std::size_t(j)];
     }
 
     for (int64_t b = 0; b < B; ++b) {
@@ -297,45 +325,47 @@ class Engine {
     }
   }
 
-  // One token per running sequence from logits [B, V] f32: on the device
-  // when every request samples without top-k / top-p (only [B] tokens come
-  // back), else on the host from a copy of the logits.
-  std::vector<int32_t> sample(const std::vector<Request>& requests, const std::vector<Running>& running,
-                              const std::vector<Completion>& out, const Tensor& logits, const Stream& stream) {
+  // One token per running sequence from logits [B, V] f32, as i32 [B]: on
+  // the device when every request samples without top-k / top-p (nothing
+  // comes back to the host here), else on the host from a copy of the logits
+  // (a CPU tensor).
+  Tensor sample(const std::vector<Request>& requests, const std::vector<Running>& running,
+                const std::vector<Completion>& out, const Tensor& logits, const Stream& stream) {
     const int64_t B = logits.size(0), V = logits.size(1);
-    std::vector<int32_t> sampled(static_cast<std::size_t>(B));
     bool on_device = logits.device().is_cuda();
     for (const Running& r : running) on_device = on_device && !has_filter(requests[r.request].sampling, V);
 #if SLIME_HAS_CUDA
     if (on_device) {
-      std::vector<int64_t> keys, steps;
+      // One upload: [keys B | steps B | temperatures (f32 bits, 2 per word)].
+      std::vector<int64_t> words(std::size_t(2 * B + (B + 1) / 2), 0);
       std::vector<float> temps;
-      for (const Running& r : running) {
-        const Request& req = requests[r.request];
-        const uint64_t key = sample_stream_key(cfg_.seed, req.sample_id);
-        keys.push_back(int64_t(key));  // the bits, read back as uint64_t
-        steps.push_back(int64_t(out[r.request].tokens.size()));
+      for (std::size_t b = 0; b < running.size(); ++b) {
+        const Request& req = requests[running[b].request];
+        words[b] = int64_t(sample_stream_key(cfg_.seed, req.sample_id));  // the bits, read back as uint64_t
+        words[std::size_t(B) + b] = int64_t(out[running[b].request].tokens.size());
         temps.push_back(req.sampling.temperature);
       }
+      std::memcpy(words.data() + 2 * B, temps.data(), temps.size() * sizeof(float));
       const Device d = logits.device();
-      const Tensor k = Tensor::from_vector(keys, {B}, d, stream), st = Tensor::from_vector(steps, {B}, d, stream);
-      const Tensor t = Tensor::from_vector(temps, {B}, d, stream);
+      const Tensor up = Tensor::from_vector(words, {int64_t(words.size())}, d, stream);
       const Tensor tok = Tensor::empty({B}, DType::i32, d, stream);
       DeviceGuard guard(d);
-      cuda::sample_rows(logits.data<float>(), B, V, reinterpret_cast<const uint64_t*>(k.data<int64_t>()),
-                        st.data<int64_t>(), t.data<float>(), tok.data<int32_t>(),
+      const int64_t* w = up.data<int64_t>();
+      cuda::sample_rows(logits.data<float>(), B, V, reinterpret_cast<const uint64_t*>(w), w + B,
+                        reinterpret_cast<const float*>(w + 2 * B), tok.data<int32_t>(),
                         (stream.device() == d ? stream : Stream::default_for(d)).handle());
-      return tok.to_vector<int32_t>(stream);
+      return tok;
     }
 #endif
     const std::vector<float> host = logits.to_vector<float>(stream);
+    std::vector<int32_t> sampled(static_cast<std::size_t>(B));
     for (int64_t b = 0; b < B; ++b) {
       const Running& r = running[std::size_t(b)];
       const Request& req = requests[r.request];
       sampled[std::size_t(b)] = sample_token(host.data() + b * V, V, req.sampling, cfg_.seed, req.sample_id,
                                              int64_t(out[r.request].tokens.size()), scratch_);
     }
-    return sampled;
+    return Tensor::from_vector(sampled, {B});
   }
 
   nn::Qwen3Model* model_;

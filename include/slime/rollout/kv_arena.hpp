@@ -21,6 +21,7 @@
 #include <iterator>
 #include <map>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "slime/core/error.hpp"
@@ -159,14 +160,26 @@ struct KvArena {
   // device; the returned source refers to k and v (keep the arena alive).
   nn::CachedKv source(const ArenaLayout& lay, const Stream& stream = {}) const {
     SLIME_CHECK(allocated(), "KvArena::source: the arena is not allocated");
+    const Device dev = k.front().device();
+    return source(lay, Tensor::from_vector(lay.write_rows, {int64_t(lay.write_rows.size())}, dev, stream),
+                  Tensor::from_vector(lay.cu_k, {int64_t(lay.cu_k.size())}, dev, stream));
+  }
+  // The same with lay.write_rows and lay.cu_k already on the arena's device
+  // (i32 [T] and [B' + 1]; the engine uploads every index of a step at once).
+  nn::CachedKv source(const ArenaLayout& lay, Tensor write_rows, Tensor cu_seqlens_k) const {
+    SLIME_CHECK(allocated(), "KvArena::source: the arena is not allocated");
     SLIME_CHECK(!lay.cu_k.empty() && lay.cu_k.back() == capacity, "KvArena::source: the layout covers ",
                 lay.cu_k.empty() ? 0 : lay.cu_k.back(), " rows, the arena ", capacity);
-    const Device dev = k.front().device();
+    SLIME_CHECK(write_rows.dtype() == DType::i32 && write_rows.numel() == int64_t(lay.write_rows.size()) &&
+                    cu_seqlens_k.dtype() == DType::i32 && cu_seqlens_k.numel() == int64_t(lay.cu_k.size()) &&
+                    write_rows.device() == k.front().device() && cu_seqlens_k.device() == k.front().device(),
+                "KvArena::source: write_rows must be i32 [", lay.write_rows.size(), "] and cu_seqlens_k i32 [",
+                lay.cu_k.size(), "] on ", k.front().device(), ", got ", write_rows.str(), " and ", cu_seqlens_k.str());
     nn::CachedKv kv;
     kv.k = k;
     kv.v = v;
-    kv.write_rows = Tensor::from_vector(lay.write_rows, {int64_t(lay.write_rows.size())}, dev, stream);
-    kv.cu_seqlens_k = Tensor::from_vector(lay.cu_k, {int64_t(lay.cu_k.size())}, dev, stream);
+    kv.write_rows = std::move(write_rows);
+    kv.cu_seqlens_k = std::move(cu_seqlens_k);
     kv.max_seqlen_k = lay.max_k;
     return kv;
   }
