@@ -6,7 +6,7 @@
 #
 # (e.g. `git archive <commit> | tar -x -C .base` before the call, with .base
 # ignored by git and carried). Builds bench_<family> of both trees (Release,
-# sm_90a, in parallel), runs them alternately (base, head, base, head: ROUNDS,
+# sm_90a, in parallel), runs them alternately (base, head, then head, base: ROUNDS,
 # default 2) so drift of the machine hits both, runs each family's PyTorch
 # baseline once, and prints per benchmark the median time of each tree over
 # the rounds, head / base, and torch / slime for both (> 1: slime faster).
@@ -52,8 +52,10 @@ left() { echo $((BUDGET_S - SECONDS)); }
 limit() { local l; l=$(left); echo $((l < CAP_S ? l : CAP_S)); }
 run_round() {
   local r=$1 f side dir json t lim
+  local sides=(base head)
+  ((r % 2 == 0)) && sides=(head base)  # alternate who runs first: drift of the machine within a round cancels
   for f in "${families[@]}"; do
-    for side in base head; do
+    for side in "${sides[@]}"; do
       lim=$(limit)
       if ((lim < 10)); then echo "round $r $f $side: not run (out of time)"; continue; fi
       dir=$PWD/build/ab-head
