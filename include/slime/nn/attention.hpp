@@ -9,17 +9,26 @@
 // into (decode). Shapes: x [T, hidden] -> [T, hidden]; inside, q [T, Hq, d],
 // k and v [T, Hkv, d], o [T, Hq, d], lse f32 [T, Hq]. backward needs a
 // context from a differentiable source (SelfKv).
+//
+// Sequence parallelism: with `sequence_attention` set (nn/sequence_attention.hpp,
+// e.g. parallel::ContextParallel; Qwen3Model::set_sequence_attention sets it on
+// every layer), a SelfKv forward hands q, k, v to it instead of the local
+// kernel: this rank's tokens attend over every rank's tokens of their
+// sequence, and backward asks it for dq, dk, dv. A K/V cache (CachedKv) does
+// not combine with it (an error).
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "slime/nn/kv_source.hpp"
 #include "slime/nn/linear.hpp"
 #include "slime/nn/module.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/rms_norm.hpp"
+#include "slime/nn/sequence_attention.hpp"
 #include "slime/ops/attention.hpp"
 #include "slime/ops/rope.hpp"
 
@@ -43,12 +52,14 @@ struct Attention {
     Tensor cu_seqlens;  // [B + 1] i32
     Tensor positions;   // [T] i32
     int max_seqlen = 0;
+    SequenceAttention::Saved sequence_saved;  // what sequence_attention keeps for its backward
   };
 
   AttentionConfig config;
   ModuleOptions options;
   Linear q_proj, k_proj, v_proj, o_proj;
   RMSNorm q_norm, k_norm;
+  SequenceAttention* sequence_attention = nullptr;  // sequence parallelism (not owned); null: local
 
   Attention() = default;
   // `prefix` is the HF module path, e.g. "model.layers.0.self_attn".
@@ -99,6 +110,17 @@ struct Attention {
     Tensor kn = k_norm.forward(k, ctx.k_norm, stream);
     ops::rope_forward(qn, kn, batch.positions, config.rope_theta, qn, kn, stream);  // in place
     Tensor o = Tensor::empty({T, hq, d}, options.dtype, options.device, stream);
+    if (sequence_attention != nullptr) {
+      SLIME_CHECK(Kv::differentiable, q_proj.weight.name,
+                  ": sequence-parallel attention runs over the batch's own keys (SelfKv), not a K/V cache");
+      ctx.q = ctx.k = ctx.v = ctx.lse = Tensor{};
+      ctx.o = o;  // marks the context differentiable (backward checks it)
+      ctx.positions = batch.positions;
+      ctx.sequence_saved.clear();
+      sequence_attention->forward(qn, kn, v, batch, o, ctx.sequence_saved, stream);
+      return o_proj.forward(o.reshape({T, hq * d}), ctx.o_proj, stream);
+    }
+    ctx.sequence_saved.clear();
     Tensor lse = Tensor::empty({T, hq}, DType::f32, options.device, stream);
     kv.attend(qn, kn, v, batch, o, lse, stream);
     if constexpr (Kv::differentiable) {
@@ -126,12 +148,18 @@ struct Attention {
     Tensor dq = Tensor::empty({T, hq, d}, options.dtype, options.device, stream);
     Tensor dk = Tensor::empty({T, hkv, d}, options.dtype, options.device, stream);
     Tensor dv = Tensor::empty({T, hkv, d}, options.dtype, options.device, stream);
-    if (const int64_t n = ops::attention_backward_workspace_elems(ctx.q); n > 0) {
-      if (!attention_ws_.defined() || attention_ws_.numel() < n)
-        attention_ws_ = Tensor::empty({n}, DType::f32, options.device, stream);
+    if (!ctx.sequence_saved.empty()) {
+      SLIME_CHECK(sequence_attention != nullptr, o_proj.weight.name,
+                  ": the context is from a sequence-parallel forward, but the layer has no sequence_attention now");
+      sequence_attention->backward(ctx.sequence_saved, d_o, dq, dk, dv, stream);
+    } else {
+      if (const int64_t n = ops::attention_backward_workspace_elems(ctx.q); n > 0) {
+        if (!attention_ws_.defined() || attention_ws_.numel() < n)
+          attention_ws_ = Tensor::empty({n}, DType::f32, options.device, stream);
+      }
+      ops::attention_backward(ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, d_o, ctx.cu_seqlens, ctx.cu_seqlens, ctx.max_seqlen,
+                              ctx.max_seqlen, dq, dk, dv, {}, attention_ws_, stream);
     }
-    ops::attention_backward(ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, d_o, ctx.cu_seqlens, ctx.cu_seqlens, ctx.max_seqlen,
-                            ctx.max_seqlen, dq, dk, dv, {}, attention_ws_, stream);
     ops::rope_backward(dq, dk, ctx.positions, config.rope_theta, dq, dk, stream);  // in place
     dq = q_norm.backward(ctx.q_norm, dq, stream, /*dy_is_scratch=*/true);
     dk = k_norm.backward(ctx.k_norm, dk, stream, /*dy_is_scratch=*/true);

@@ -262,6 +262,18 @@ class Qwen3Model {
     backward(ctx, d_hidden, stream, none, aux);
   }
 
+  // Sequence parallelism: every layer's attention runs through `sa`
+  // (nn/sequence_attention.hpp, e.g. parallel::ContextParallel; not owned,
+  // must outlive its use) in forwards over the batch's own keys; nullptr
+  // (default): local attention. The batches forward then takes are this
+  // rank's part of each sequence, as `sa` planned them.
+  void set_sequence_attention(SequenceAttention* sa) {
+    for (DecoderLayer& l : layers_) l.self_attn.sequence_attention = sa;
+  }
+  SequenceAttention* sequence_attention() const {
+    return layers_.empty() ? nullptr : layers_.front().self_attn.sequence_attention;
+  }
+
   // Indices of the decoder layers with experts (empty for dense models).
   std::vector<int> sparse_layers() const {
     std::vector<int> out;

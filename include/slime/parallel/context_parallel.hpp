@@ -1,0 +1,579 @@
+// slime/parallel/context_parallel.hpp: ContextParallel, sequence (context)
+// parallelism over the mesh's cp axis: every sequence of a packed batch is
+// split over the cp ranks, and the attention of each layer runs as Ulysses
+// (all-to-all: sequence-sharded -> head-sharded and back), RingAttention
+// (K/V blocks travel around a ring, partial outputs merge by log-sum-exp) or
+// both (USP: cp = ulysses x ring, the Ulysses groups being neighbouring
+// ranks). Everything else in a layer is per token and runs unchanged on each
+// rank's tokens. It is the model's nn::SequenceAttention
+// (Qwen3Model::set_sequence_attention).
+//
+// Layout (CpPlan). cp = u * r ranks, cp rank = ring_rank * u + ulysses_rank.
+// Each sequence b of length n_b is padded at its end to p_b, a multiple of
+// m = 2 r u (r > 1) or u (r = 1), and cut into C = 2r (or 1) equal chunks.
+// Ring rank i owns chunks i and 2r - 1 - i (zigzag: the cheap early chunk
+// with the expensive late one, so causal work is balanced over the ring);
+// each owned chunk is cut into u equal parts and Ulysses rank k holds part k
+// of each. Rank's rows, per sequence in batch order: [part k of chunk i |
+// part k of chunk 2r-1-i]; all ranks hold the same number of rows, p_b / cp
+// per sequence. Padding sits after the sequence's last token, so causal
+// attention never lets a real token see it; give padding rows loss weight 0
+// (CpPlan::take with a pad value). Positions are the rows' positions in
+// their sequence (RoPE as without cp).
+//
+// Ulysses (u > 1; needs u | Hq and u | Hkv, else an error naming the head
+// counts: no KV-head replication): x [T, H, d] -> rows (k, t) of width
+// H/u * d (a row gather) -> all_to_all over the Ulysses group -> a row
+// gather into the ring rank's order: [u T, H/u, d], the ring rank's tokens
+// (its two chunks of every sequence, whole) for this rank's H/u heads. The
+// inverse (o, and dq / dk / dv in backward) runs the same steps backwards.
+//
+// Ring (r > 1), zigzag, varlen: at step s (0 .. r-1) ring rank i holds the
+// K/V block of ring rank j = (i - s) mod r and computes one block attention:
+//   j == i: its queries over its keys, causal (both chunks in order)
+//   j <  i: its queries over the first chunk of j's keys, no mask (chunk j
+//           precedes both of i's chunks; chunk 2r-1-j follows both)
+//   j >  i: its second chunk's queries over both of j's chunks, no mask
+// with each sequence's rows described by cu_seqlens (sequences of zero
+// queries or zero keys fill the gaps, so no block is copied and no attention
+// crosses samples). Partial (o, lse) merge into an f32 accumulator
+// (ops::merge_attention_partials). The next K/V block is exchanged with the
+// ring neighbours (send to i + 1, receive from i - 1; even ranks send first,
+// so a blocking send never deadlocks) on a communication stream while the
+// block attention runs. Backward: the same blocks with the final o and lse;
+// dq accumulates in f32 locally, dK/dV accumulate in f32 in a buffer that
+// travels with its K/V block and reaches its owner after r hops.
+//
+// Composition: the loss over the batch must count every token once: give
+// padding weight 0 and the global normaliser (all cp ranks' real tokens).
+// Parameters are the same on every cp rank; their gradients sum over cp
+// (Sharded on a mesh with cp > 1 shards over dp_shard x cp). MoE routing is
+// per token; the load-balancing statistics count padding rows too (their
+// hidden states route like any token), so the aux loss with cp > 1 differs
+// from cp = 1 by the padding rows' share.
+//
+// Costs per layer and rank (T = this rank's tokens): Ulysses moves q, k, v
+// and o (and dO, dq, dk, dv in backward) through one all_to_all each,
+// (u - 1) / u of their bytes; ring moves (r - 1) K/V blocks of 2 T_ring Hkv d
+// elements (T_ring = u T) in forward, and (r - 1) K/V + r dK/dV (f32) blocks
+// in backward.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "slime/comm/comm.hpp"
+#include "slime/core/error.hpp"
+#include "slime/core/stream.hpp"
+#include "slime/core/tensor.hpp"
+#include "slime/nn/packed_batch.hpp"
+#include "slime/nn/sequence_attention.hpp"
+#include "slime/ops/attention.hpp"
+#include "slime/ops/elementwise.hpp"
+#include "slime/ops/index_rows.hpp"
+
+namespace slime::parallel {
+
+// Which rows of a packed batch one cp rank holds (see the top of the file).
+struct CpPlan {
+  int ulysses = 1, ring = 1, rank = 0;  // rank on the cp axis
+  std::vector<int32_t> cu_global;       // the whole batch's cu_seqlens [B + 1]
+  std::vector<int64_t> padded;          // [B] padded sequence lengths p_b
+  std::vector<int32_t> cu_local;        // [B + 1] this rank's rows per sequence, cumulated
+  std::vector<int64_t> rows;            // [T_local] the global row of each local row, -1: padding
+  std::vector<int32_t> positions;       // [T_local] each local row's position in its sequence
+
+  int size() const { return ulysses * ring; }
+  int64_t local_tokens() const { return int64_t(rows.size()); }
+  int64_t num_sequences() const { return int64_t(padded.size()); }
+  int ring_rank() const { return rank / ulysses; }
+  int ulysses_rank() const { return rank % ulysses; }
+  // Every sequence's padded length is a multiple of this.
+  static int64_t multiple(int ulysses, int ring) { return ring > 1 ? int64_t(2) * ring * ulysses : ulysses; }
+
+  // This rank's values of a per-token vector of the whole batch; padding rows get `pad`.
+  template <class T>
+  std::vector<T> take(const std::vector<T>& global, T pad) const {
+    SLIME_CHECK(int64_t(global.size()) == int64_t(cu_global.back()), "CpPlan::take: ", global.size(),
+                " values for a batch of ", cu_global.back(), " tokens");
+    std::vector<T> out;
+    out.reserve(rows.size());
+    for (int64_t g : rows) out.push_back(g < 0 ? pad : global[std::size_t(g)]);
+    return out;
+  }
+
+  // The plan of cp rank `rank` for a batch with cu_seqlens `cu` (host, [B + 1]).
+  static CpPlan make(const std::vector<int32_t>& cu, int ulysses, int ring, int rank) {
+    SLIME_CHECK(ulysses >= 1 && ring >= 1, "CpPlan: ulysses and ring degrees must be >= 1, got ", ulysses, " and ",
+                ring);
+    SLIME_CHECK(rank >= 0 && rank < ulysses * ring, "CpPlan: rank ", rank, " out of range for cp = ", ulysses * ring);
+    SLIME_CHECK(cu.size() >= 2 && cu.front() == 0, "CpPlan: cu_seqlens must start at 0 and hold at least one sequence");
+    CpPlan p;
+    p.ulysses = ulysses;
+    p.ring = ring;
+    p.rank = rank;
+    p.cu_global = cu;
+    const int64_t m = multiple(ulysses, ring), chunks = ring > 1 ? 2 * ring : 1;
+    const int i = p.ring_rank(), k = p.ulysses_rank();
+    const std::vector<int64_t> own = ring > 1 ? std::vector<int64_t>{i, 2 * ring - 1 - i} : std::vector<int64_t>{0};
+    p.cu_local.push_back(0);
+    for (std::size_t b = 0; b + 1 < cu.size(); ++b) {
+      const int64_t n = int64_t(cu[b + 1]) - cu[b];
+      SLIME_CHECK(n >= 1, "CpPlan: sequence ", b, " has ", n, " tokens; every sequence needs at least one");
+      const int64_t pb = (n + m - 1) / m * m, chunk = pb / chunks, part = chunk / ulysses;
+      p.padded.push_back(pb);
+      for (int64_t c : own)
+        for (int64_t t = 0; t < part; ++t) {
+          const int64_t pos = c * chunk + k * part + t;
+          p.rows.push_back(pos < n ? cu[b] + pos : -1);
+          p.positions.push_back(int32_t(pos));
+        }
+      SLIME_CHECK(int64_t(p.rows.size()) < (int64_t(1) << 31), "CpPlan: more than 2^31 - 1 rows on one rank");
+      p.cu_local.push_back(int32_t(p.rows.size()));
+    }
+    return p;
+  }
+};
+
+// One block attention of the ring schedule: the ring rank's queries over a
+// K/V block, rows described per sequence by cu_seqlens (i32, on the device).
+struct RingBlock {
+  Tensor cu_q, cu_k;
+  int64_t max_q = 0, max_k = 0;
+  bool causal = false;
+};
+
+// The three block kinds of ring rank i's schedule (see the top of the file)
+// for plan `p`, over the ring rank's rows (u parts of each owned chunk, in
+// order; u T rows in all): `self` (j == i: causal over its own rows; also the
+// whole attention when ring == 1), `before` (j < i: every query over the
+// first chunk of the block) and `after` (j > i: the second chunk's queries
+// over the whole block). Sequences of zero queries or zero keys fill the
+// gaps, so a block needs no copy.
+struct RingBlocks {
+  RingBlock self, before, after;  // before / after: defined when ring > 1
+};
+inline RingBlocks ring_blocks(const CpPlan& p, Device dev, const Stream& s = {}) {
+  const auto upload = [&](const std::vector<int32_t>& v) {
+    return Tensor::from_vector(v, {int64_t(v.size())}, dev, s);
+  };
+  RingBlocks out;
+  std::vector<int32_t> cu_self{0};
+  int64_t max_self = 0;
+  for (int64_t b = 0; b < p.num_sequences(); ++b) {
+    const int32_t len = int32_t(p.ulysses * (p.cu_local[std::size_t(b) + 1] - p.cu_local[std::size_t(b)]));
+    cu_self.push_back(cu_self.back() + len);
+    max_self = std::max<int64_t>(max_self, len);
+  }
+  out.self.cu_q = out.self.cu_k = upload(cu_self);
+  out.self.max_q = out.self.max_k = max_self;
+  out.self.causal = true;
+  if (p.ring > 1) {
+    // Per sequence the ring rank holds two chunks of L rows each.
+    std::vector<int32_t> bq{0}, bk{0}, aq{0}, ak{0};
+    for (int64_t b = 0; b < p.num_sequences(); ++b) {
+      const int32_t L = (cu_self[std::size_t(b) + 1] - cu_self[std::size_t(b)]) / 2;
+      bq.push_back(bq.back() + 2 * L);  // before: every query over the first chunk,
+      bq.push_back(bq.back());          //         no query over the second
+      bk.push_back(bk.back() + L);
+      bk.push_back(bk.back() + L);
+      aq.push_back(aq.back() + L);  // after: the first chunk's queries see nothing,
+      aq.push_back(aq.back() + L);  //        the second chunk's see the whole block
+      ak.push_back(ak.back());
+      ak.push_back(ak.back() + 2 * L);
+    }
+    out.before = {upload(bq), upload(bk), max_self, max_self / 2, false};
+    out.after = {upload(aq), upload(ak), max_self / 2, max_self, false};
+  }
+  return out;
+}
+
+struct ContextParallelOptions {
+  int ulysses = 1;  // Ulysses degree u (divides cp); the ring degree is cp / u
+};
+
+class ContextParallel final : public nn::SequenceAttention {
+ public:
+  // Collective over `cp` (the mesh's cp axis; it must outlive this object):
+  // splits it into the Ulysses groups (ranks ring_rank * u .. + u - 1) and
+  // the rings (ranks with the same ulysses_rank).
+  explicit ContextParallel(comm::Comm& cp, ContextParallelOptions opt = {}) : cp_(&cp), u_(opt.ulysses) {
+    SLIME_CHECK(u_ >= 1 && cp.size() % u_ == 0, "ContextParallel: the Ulysses degree ", u_, " must divide the cp size ",
+                cp.size());
+    r_ = cp.size() / u_;
+    ulysses_comm_ = cp.split(cp.rank() / u_, cp.rank() % u_);
+    ring_comm_ = cp.split(cp.rank() % u_, cp.rank() / u_);
+    SLIME_CHECK(ulysses_comm_ && ring_comm_, "ContextParallel: splitting the cp communicator failed");
+  }
+
+  int size() const { return cp_->size(); }
+  int rank() const { return cp_->rank(); }
+  int ulysses() const { return u_; }
+  int ring() const { return r_; }
+  Device device() const { return cp_->device(); }
+
+  // Plans the batch with cu_seqlens `cu` (the whole batch, host) for this
+  // rank and makes it the plan forward and backward use (its index tensors
+  // go to the device on `stream`). Returns the plan: take() this rank's
+  // targets, weights, advantages...; local_batch() this rank's PackedBatch.
+  const CpPlan& plan(const std::vector<int32_t>& cu, const Stream& stream = {}) {
+    auto st = std::make_shared<State>();
+    st->plan = CpPlan::make(cu, u_, r_, rank());
+    build_state(*st, stream);
+    state_ = std::move(st);
+    return state_->plan;
+  }
+  const CpPlan& current_plan() const {
+    SLIME_CHECK(state_ != nullptr, "ContextParallel: no batch planned (call plan() first)");
+    return state_->plan;
+  }
+
+  // This rank's part of the batch whose tokens are `tokens` (host, the whole
+  // batch's, in cu order) under the current plan; padding rows get `pad_token`.
+  nn::PackedBatch local_batch(const std::vector<int32_t>& tokens, int32_t pad_token = 0,
+                              const Stream& stream = {}) const {
+    const CpPlan& p = current_plan();
+    const Device dev = device();
+    nn::PackedBatch b;
+    const int64_t T = p.local_tokens();
+    b.tokens = Tensor::from_vector(p.take(tokens, pad_token), {T}, dev, stream);
+    b.positions = Tensor::from_vector(p.positions, {T}, dev, stream);
+    b.cu_seqlens_host = p.cu_local;
+    b.cu_seqlens = Tensor::from_vector(p.cu_local, {int64_t(p.cu_local.size())}, dev, stream);
+    for (std::size_t s = 0; s + 1 < p.cu_local.size(); ++s)
+      b.max_seqlen = std::max(b.max_seqlen, p.cu_local[s + 1] - p.cu_local[s]);
+    return b;
+  }
+
+  // The whole batch's values [T_global] (in cu order, padding dropped) of a
+  // per-row tensor of this rank, local [T_local, ...] on the cp device:
+  // an all_gather over cp, then a row gather. Collective over cp.
+  Tensor gather(const Tensor& local, const Stream& stream = {}) const {
+    const State& st = *checked_state();
+    const CpPlan& p = st.plan;
+    SLIME_CHECK(local.dim() >= 1 && local.size(0) == p.local_tokens(), "ContextParallel::gather: expected [",
+                p.local_tokens(), ", ...] (this rank's rows), got ", local.str());
+    Shape all_shape = local.shape();
+    all_shape[0] = local.size(0) * size();
+    Tensor all = Tensor::empty(all_shape, local.dtype(), device(), stream);
+    cp_->all_gather(local, all, stream);
+    Shape out_shape = local.shape();
+    out_shape[0] = p.cu_global.back();
+    Tensor out = Tensor::empty(out_shape, local.dtype(), device(), stream);
+    ops::gather_rows(all, st.gather_index, out, stream);
+    return out;
+  }
+
+  // ---- nn::SequenceAttention ----------------------------------------------
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, const nn::PackedBatch& batch, const Tensor& o,
+               nn::SequenceAttention::Saved& saved, const Stream& stream) override {
+    const std::shared_ptr<const State> st = checked_state();
+    check_batch(*st, q, k, batch);
+    const Tensor qh = to_heads(*st, q, stream), kh = to_heads(*st, k, stream), vh = to_heads(*st, v, stream);
+    const Tensor oh = u_ > 1 ? Tensor::empty(qh.shape(), qh.dtype(), qh.device(), stream) : o;
+    const Tensor lse = Tensor::empty({qh.size(0), qh.size(1)}, DType::f32, qh.device(), stream);
+    if (r_ == 1) {
+      ops::attention_forward(qh, kh, vh, st->blocks.self.cu_q, st->blocks.self.cu_q, st->blocks.self.max_q,
+                             st->blocks.self.max_q, oh, lse, {}, stream);
+    } else {
+      ring_forward(*st, qh, kh, vh, oh, lse, stream);
+    }
+    if (u_ > 1) to_sequence(*st, oh, o, stream);
+    saved.tensors = {qh, kh, vh, oh, lse};
+    saved.state = st;
+  }
+
+  void backward(const nn::SequenceAttention::Saved& saved, const Tensor& d_o, const Tensor& dq, const Tensor& dk,
+                const Tensor& dv, const Stream& stream) override {
+    const auto st = std::static_pointer_cast<const State>(saved.state);
+    SLIME_CHECK(st != nullptr && saved.tensors.size() == 5,
+                "ContextParallel::backward: the saved state is not from ContextParallel::forward");
+    const Tensor &qh = saved.tensors[0], &kh = saved.tensors[1], &vh = saved.tensors[2], &oh = saved.tensors[3],
+                 &lse = saved.tensors[4];
+    const Tensor doh = to_heads(*st, d_o, stream);
+    const auto like = [&](const Tensor& t, const Tensor& out) {
+      return u_ > 1 ? Tensor::empty(t.shape(), t.dtype(), t.device(), stream) : out;
+    };
+    const Tensor dqh = like(qh, dq), dkh = like(kh, dk), dvh = like(vh, dv);
+    if (r_ == 1) {
+      ops::attention_backward(qh, kh, vh, oh, lse, doh, st->blocks.self.cu_q, st->blocks.self.cu_q,
+                              st->blocks.self.max_q, st->blocks.self.max_q, dqh, dkh, dvh, {}, workspace(qh, stream),
+                              stream);
+    } else {
+      ring_backward(*st, qh, kh, vh, oh, lse, doh, dqh, dkh, dvh, stream);
+    }
+    if (u_ > 1) {
+      to_sequence(*st, dqh, dq, stream);
+      to_sequence(*st, dkh, dk, stream);
+      to_sequence(*st, dvh, dv, stream);
+    }
+  }
+
+ private:
+  // A plan and its device tensors, shared with the contexts of the forwards
+  // that used it (a backward uses the plan of its own forward).
+  struct State {
+    CpPlan plan;
+    Tensor gather_index;  // i32 [T_global]: row of the all-gathered [cp T_local] buffer
+    // Ulysses (u > 1), indices over rows of width H/u * d:
+    Tensor split_index;   // [u T]: row (k, t) of the send buffer = row t u + k of x
+    Tensor ring_order;    // [u T]: ring-order row -> row of the received buffer
+    Tensor ring_inverse;  // [u T]: received-buffer row -> ring-order row
+    Tensor merge_index;   // [T u]: row t u + k of the output = row k T + t of the received buffer
+    RingBlocks blocks;
+  };
+
+  std::shared_ptr<const State> checked_state() const {
+    SLIME_CHECK(state_ != nullptr, "ContextParallel: no batch planned (call plan() before the forward)");
+    return state_;
+  }
+
+  static Tensor upload(const std::vector<int32_t>& v, Device dev, const Stream& s) {
+    return Tensor::from_vector(v, {int64_t(v.size())}, dev, s);
+  }
+
+  void build_state(State& st, const Stream& s) const {
+    const CpPlan& p = st.plan;
+    const Device dev = device();
+    const int64_t T = p.local_tokens(), B = p.num_sequences(), cp = size();
+    // Where each global row sits in the all-gathered buffer (rank-major).
+    std::vector<int32_t> gi(std::size_t(p.cu_global.back()), -1);
+    for (int r = 0; r < cp; ++r) {
+      const CpPlan pr = r == p.rank ? p : CpPlan::make(p.cu_global, u_, r_, r);
+      for (int64_t t = 0; t < T; ++t)
+        if (pr.rows[std::size_t(t)] >= 0) gi[std::size_t(pr.rows[std::size_t(t)])] = int32_t(r * T + t);
+    }
+    st.gather_index = upload(gi, dev, s);
+    st.blocks = ring_blocks(p, dev, s);
+    if (u_ > 1) {
+      std::vector<int32_t> split(std::size_t(u_ * T)), order(std::size_t(u_ * T)), inverse(std::size_t(u_ * T)),
+          merge(std::size_t(u_ * T));
+      for (int64_t k = 0; k < u_; ++k)
+        for (int64_t t = 0; t < T; ++t) {
+          split[std::size_t(k * T + t)] = int32_t(t * u_ + k);
+          merge[std::size_t(t * u_ + k)] = int32_t(k * T + t);
+        }
+      // Ring order: per sequence, per owned chunk, part k = 0 .. u-1 (each
+      // `part` rows, at the same local offset on every Ulysses rank).
+      const int64_t own = r_ > 1 ? 2 : 1;
+      int64_t at = 0;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t start = p.cu_local[std::size_t(b)];
+        const int64_t part = (p.cu_local[std::size_t(b) + 1] - start) / own;
+        for (int64_t c = 0; c < own; ++c)
+          for (int64_t k = 0; k < u_; ++k)
+            for (int64_t t = 0; t < part; ++t) {
+              const int64_t src = k * T + start + c * part + t;
+              order[std::size_t(at)] = int32_t(src);
+              inverse[std::size_t(src)] = int32_t(at);
+              ++at;
+            }
+      }
+      st.split_index = upload(split, dev, s);
+      st.ring_order = upload(order, dev, s);
+      st.ring_inverse = upload(inverse, dev, s);
+      st.merge_index = upload(merge, dev, s);
+    }
+  }
+
+  void check_batch(const State& st, const Tensor& q, const Tensor& k, const nn::PackedBatch& batch) const {
+    const CpPlan& p = st.plan;
+    SLIME_CHECK(batch.cu_seqlens_host == p.cu_local,
+                "ContextParallel: the batch is not this rank's part of the "
+                "planned batch (its cu_seqlens differ from the plan's; build it with local_batch())");
+    SLIME_CHECK(q.device() == device(), "ContextParallel: q is on ", q.device(), " but the cp communicator on ",
+                device());
+    SLIME_CHECK(q.size(1) % u_ == 0 && k.size(1) % u_ == 0, "ContextParallel: Ulysses degree ", u_,
+                " must divide the query heads (", q.size(1), ") and the kv heads (", k.size(1),
+                "); use a smaller Ulysses degree (the rest as ring)");
+  }
+
+  // x [T, H, d], this rank's rows -> [u T, H/u, d]: the ring rank's rows
+  // (ring order) for this rank's H/u heads. Identity for u = 1.
+  Tensor to_heads(const State& st, const Tensor& x, const Stream& s) const {
+    if (u_ == 1) return x;
+    const int64_t T = x.size(0), H = x.size(1), d = x.size(2), w = H / u_ * d;
+    Tensor send = Tensor::empty({u_ * T, w}, x.dtype(), x.device(), s);
+    ops::gather_rows(x.reshape({T * u_, w}), st.split_index, send, s);
+    Tensor recv = Tensor::empty({u_ * T, w}, x.dtype(), x.device(), s);
+    ulysses_comm_->all_to_all(send, recv, s);
+    Tensor out = Tensor::empty({u_ * T, H / u_, d}, x.dtype(), x.device(), s);
+    ops::gather_rows(recv, st.ring_order, out.reshape({u_ * T, w}), s);
+    return out;
+  }
+
+  // The inverse: y [u T, H/u, d] -> out [T, H, d] (written).
+  void to_sequence(const State& st, const Tensor& y, const Tensor& out, const Stream& s) const {
+    const int64_t T = out.size(0), w = y.size(1) * y.size(2);
+    Tensor send = Tensor::empty({u_ * T, w}, y.dtype(), y.device(), s);
+    ops::gather_rows(y.reshape({u_ * T, w}), st.ring_inverse, send, s);
+    Tensor recv = Tensor::empty({u_ * T, w}, y.dtype(), y.device(), s);
+    ulysses_comm_->all_to_all(send, recv, s);
+    ops::gather_rows(recv, st.merge_index, out.reshape({T * u_, w}), s);
+  }
+
+  // Sends `out` to the next ring rank and receives `in` from the previous
+  // one; even ranks send first, so blocking sends never wait on each other.
+  void exchange(const Tensor& out, Tensor& in, const Stream& s) const {
+    const int i = ring_comm_->rank(), next = (i + 1) % r_, prev = (i + r_ - 1) % r_;
+    if (i % 2 == 0) {
+      ring_comm_->send(out, next, s);
+      ring_comm_->recv(in, prev, s);
+    } else {
+      ring_comm_->recv(in, prev, s);
+      ring_comm_->send(out, next, s);
+    }
+  }
+
+  // The communication stream (CUDA: one of its own, created once; CPU: the
+  // calling one, calls complete in order).
+  Stream comm_stream(const Stream& compute) {
+    if (!device().is_cuda()) return compute;
+    if (!comm_stream_) comm_stream_ = std::make_unique<Stream>(Stream::create(device()));
+    return *comm_stream_;
+  }
+
+  // [2, T, Hkv, d]: k then v, one buffer so one message carries both.
+  static Tensor pack_kv(const Tensor& k, const Tensor& v, DType dtype, const Stream& s) {
+    Tensor kv = Tensor::empty({2, k.size(0), k.size(1), k.size(2)}, dtype, k.device(), s);
+    ops::cast(k, kv.view(0, k.shape()), s);
+    ops::cast(v, kv.view(k.numel(), v.shape()), s);
+    return kv;
+  }
+
+  const Tensor& workspace(const Tensor& q, const Stream& s) {
+    if (const int64_t n = ops::attention_backward_workspace_elems(q); n > 0) {
+      if (!ws_.defined() || ws_.numel() < n) ws_ = Tensor::empty({n}, DType::f32, q.device(), s);
+    }
+    return ws_;
+  }
+
+  // Runs fn(s, kv_block, j) for s = 0 .. r-1 with kv_block the K/V block of
+  // ring rank j = (i - s) mod r, exchanging the next block on the
+  // communication stream meanwhile.
+  template <class Fn>
+  void around_the_ring(Tensor kv, const Stream& compute, Fn&& fn) {
+    const Stream comm = comm_stream(compute);
+    const bool cuda = device().is_cuda();
+    Event ready(device(), false), arrived(device(), false);
+    Tensor next = Tensor::empty(kv.shape(), kv.dtype(), kv.device(), compute);
+    const int i = ring_comm_->rank();
+    for (int s = 0; s < r_; ++s) {
+      const bool more = s + 1 < r_;
+      if (more) {
+        if (cuda) {
+          ready.record(compute);
+          ready.wait(comm);
+        }
+        exchange(kv, next, comm);
+        if (cuda) arrived.record(comm);
+      }
+      fn(s, kv, (i - s + r_) % r_);
+      if (more) {
+        if (cuda) arrived.wait(compute);
+        std::swap(kv, next);
+      }
+    }
+  }
+
+  void ring_forward(const State& st, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                    const Tensor& lse, const Stream& s) {
+    const int64_t T = q.size(0), Hq = q.size(1), d = q.size(2);
+    const int i = ring_comm_->rank();
+    Tensor acc = Tensor::empty({T, Hq, d}, DType::f32, q.device(), s);
+    Tensor part = Tensor::empty({T, Hq, d}, q.dtype(), q.device(), s);
+    Tensor part_lse = Tensor::empty({T, Hq}, DType::f32, q.device(), s);
+    around_the_ring(pack_kv(k, v, k.dtype(), s), s, [&](int step, const Tensor& kv, int j) {
+      const Tensor kb = kv.view(0, k.shape()), vb = kv.view(k.numel(), v.shape());
+      if (step == 0) {
+        ops::attention_forward(q, kb, vb, st.blocks.self.cu_q, st.blocks.self.cu_q, st.blocks.self.max_q,
+                               st.blocks.self.max_q, part, lse, {}, s);
+        ops::cast(part, acc, s);
+        return;
+      }
+      const RingBlock& blk = j < i ? st.blocks.before : st.blocks.after;
+      ops::AttentionOptions opt;
+      opt.causal = false;
+      ops::attention_forward(q, kb, vb, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, part, part_lse, opt, s);
+      ops::merge_attention_partials(acc, lse, part, part_lse, acc, lse, s);
+    });
+    ops::cast(acc, o, s);
+  }
+
+  void ring_backward(const State& st, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                     const Tensor& lse, const Tensor& d_o, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                     const Stream& s) {
+    const int i = ring_comm_->rank();
+    const Device dev = q.device();
+    Tensor dq_acc = Tensor::zeros(q.shape(), DType::f32, dev, s);
+    Tensor dkv = Tensor::zeros({2, k.size(0), k.size(1), k.size(2)}, DType::f32, dev, s);
+    Tensor dkv_next = Tensor::empty(dkv.shape(), DType::f32, dev, s);
+    Tensor dq_b = Tensor::empty(q.shape(), q.dtype(), dev, s), dk_b = Tensor::empty(k.shape(), k.dtype(), dev, s),
+           dv_b = Tensor::empty(v.shape(), v.dtype(), dev, s);
+    Tensor f32 = Tensor::empty(q.shape(), DType::f32, dev, s), f32_kv = Tensor::empty(k.shape(), DType::f32, dev, s);
+    const Tensor& ws = workspace(q, s);
+    const auto accumulate = [&](const Tensor& part, const Tensor& acc, const Tensor& tmp) {
+      ops::cast(part, tmp, s);
+      ops::add_(acc, tmp, s);
+    };
+    // Both exchanges of a step run on the communication stream (one
+    // communicator is never used from two streams at once): the next K/V
+    // block's while this block's backward runs, then this block's dK/dV.
+    const Stream comm = comm_stream(s);
+    const bool cuda = dev.is_cuda();
+    Event ready(dev, false), arrived(dev, false);
+    const auto after_compute = [&] {
+      if (cuda) {
+        ready.record(s);
+        ready.wait(comm);
+      }
+    };
+    Tensor kv = pack_kv(k, v, k.dtype(), s), kv_next = Tensor::empty(kv.shape(), kv.dtype(), dev, s);
+    for (int step = 0; step < r_; ++step) {
+      const int j = (i - step + r_) % r_;
+      if (step + 1 < r_) {
+        after_compute();
+        exchange(kv, kv_next, comm);
+      }
+      const Tensor kb = kv.view(0, k.shape()), vb = kv.view(k.numel(), v.shape());
+      if (step == 0) {
+        ops::attention_backward(q, kb, vb, o, lse, d_o, st.blocks.self.cu_q, st.blocks.self.cu_q, st.blocks.self.max_q,
+                                st.blocks.self.max_q, dq_b, dk_b, dv_b, {}, ws, s);
+      } else {
+        const RingBlock& blk = j < i ? st.blocks.before : st.blocks.after;
+        ops::AttentionOptions opt;
+        opt.causal = false;
+        ops::attention_backward(q, kb, vb, o, lse, d_o, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, dq_b, dk_b, dv_b, opt,
+                                ws, s);
+      }
+      accumulate(dq_b, dq_acc, f32);
+      accumulate(dk_b, dkv.view(0, k.shape()), f32_kv);
+      accumulate(dv_b, dkv.view(k.numel(), v.shape()), f32_kv);
+      // dK/dV of block j move on with it: after r hops each reaches its owner.
+      after_compute();
+      exchange(dkv, dkv_next, comm);
+      if (cuda) {
+        arrived.record(comm);
+        arrived.wait(s);
+      }
+      std::swap(dkv, dkv_next);
+      if (step + 1 < r_) std::swap(kv, kv_next);
+    }
+    ops::cast(dq_acc, dq, s);
+    ops::cast(dkv.view(0, k.shape()), dk, s);
+    ops::cast(dkv.view(k.numel(), v.shape()), dv, s);
+  }
+
+  comm::Comm* cp_;
+  int u_ = 1, r_ = 1;
+  std::unique_ptr<comm::Comm> ulysses_comm_, ring_comm_;
+  std::shared_ptr<const State> state_;
+  std::unique_ptr<Stream> comm_stream_;
+  Tensor ws_;  // attention backward workspace (CUDA)
+};
+
+}  // namespace slime::parallel
