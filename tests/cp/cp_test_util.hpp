@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "slime/comm/local_comm.hpp"
 #include "slime/core/random.hpp"
 #include "slime/core/tensor.hpp"
+#include "slime/nn/module.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/ops/attention.hpp"
@@ -83,8 +85,8 @@ inline std::vector<float> host_f32(const Tensor& t) {
 // Attention over the batch `shape` through ContextParallel(u, r) on u * r
 // LocalComm ranks of `dev` (dtype: the activations'), against the f32 CPU
 // attention of the whole batch. Padding rows hold random q, k, v and d_o = 0.
-inline OpResult run_attention_op(const OpShape& shape, int u, int r, Device dev = Device::cpu(),
-                                 DType dtype = DType::f32, uint64_t seed = 1) {
+inline OpResult run_attention_op(const OpShape& shape, int u, int r, parallel::RingKv kv = parallel::RingKv::p2p,
+                                 Device dev = Device::cpu(), DType dtype = DType::f32, uint64_t seed = 1) {
   const std::vector<int32_t> cu = cu_of(shape.lengths);
   const int64_t T = cu.back(), hq = shape.hq, hkv = shape.hkv, d = shape.d;
   const std::vector<float> q = uniform(T * hq * d, seed), k = uniform(T * hkv * d, seed + 1),
@@ -112,7 +114,7 @@ inline OpResult run_attention_op(const OpShape& shape, int u, int r, Device dev 
   comm::run_local_ranks(
       u * r,
       [&](comm::Comm& c) {
-        parallel::ContextParallel cpar(c, {.ulysses = u});
+        parallel::ContextParallel cpar(c, {.ulysses = u, .ring_kv = kv});
         const Stream stream = Stream::default_for(dev);
         const parallel::CpPlan& p = cpar.plan(cu, stream);
         const int64_t Tl = p.local_tokens();
@@ -177,6 +179,84 @@ inline OpResult run_attention_op(const OpShape& shape, int u, int r, Device dev 
   res.dk /= peak(DK);
   res.dv /= peak(DV);
   return res;
+}
+
+// Ulysses x ring degrees and how the ring's K/V travel.
+struct Degrees {
+  int u, r;
+  parallel::RingKv kv = parallel::RingKv::p2p;
+};
+
+// The model on `dev` (bf16 on CUDA), the same initial values everywhere.
+inline nn::Qwen3Model model_of(const nn::Qwen3Config& c, Device dev) {
+  nn::Qwen3Model m(c, {dev, dev.is_cuda() ? DType::bf16 : DType::f32});
+  m.init_random(11, 0.2f);
+  return m;
+}
+
+struct ModelRun {
+  double loss = 0;
+  std::vector<float> logprobs;
+  std::map<std::string, std::vector<float>> grads;
+};
+
+// loss_and_backward of the whole batch on one rank.
+inline ModelRun reference_run(const nn::Qwen3Config& c, const std::vector<std::vector<int32_t>>& seqs,
+                              const std::vector<int32_t>& targets, Device dev = Device::cpu()) {
+  nn::Qwen3Model m = model_of(c, dev);
+  nn::zero_grad(m);
+  const nn::PackedBatch b = nn::make_packed_batch(seqs, dev);
+  const auto res = m.loss_and_backward(b, Tensor::from_vector(targets, {int64_t(targets.size())}, dev));
+  ModelRun out;
+  out.loss = res.loss;
+  out.logprobs = host_f32(res.logprobs);
+  m.for_each_parameter([&](nn::Parameter& p) { out.grads[p.name] = host_f32(p.grad); });
+  return out;
+}
+
+// The same batch on u * r LocalComm ranks of `dev`, each with its plan's
+// rows; the loss summed, the logprobs gathered and the gradients summed over
+// the ranks.
+inline ModelRun cp_run(const nn::Qwen3Config& c, const std::vector<std::vector<int32_t>>& seqs,
+                       const std::vector<int32_t>& targets, Degrees dg, Device dev = Device::cpu()) {
+  std::vector<int32_t> cu{0}, tokens;
+  for (const auto& s : seqs) {
+    cu.push_back(cu.back() + int32_t(s.size()));
+    tokens.insert(tokens.end(), s.begin(), s.end());
+  }
+  ModelRun out;
+  std::mutex mu;
+  comm::run_local_ranks(
+      dg.u * dg.r,
+      [&](comm::Comm& comm) {
+        nn::Qwen3Model m = model_of(c, dev);
+        parallel::ContextParallel cpar(comm, {.ulysses = dg.u, .ring_kv = dg.kv});
+        m.set_sequence_attention(&cpar);
+        nn::zero_grad(m);
+        const parallel::CpPlan& plan = cpar.plan(cu);
+        const nn::PackedBatch local = cpar.local_batch(tokens);
+        const int64_t T = plan.local_tokens();
+        const Tensor t = Tensor::from_vector(plan.take(targets, 0), {T}, dev);
+        const Tensor w = Tensor::from_vector(plan.take(std::vector<float>(targets.size(), 1.f), 0.f), {T}, dev);
+        // The whole batch's token count normalises every rank's share.
+        const auto res = m.loss_and_backward(local, t, w, 1.f, double(targets.size()));
+        Tensor loss = Tensor::from_vector(std::vector<float>{float(res.loss)}, {1}, dev);
+        comm.all_reduce(loss);
+        const Tensor lp = cpar.gather(res.logprobs);
+        std::map<std::string, std::vector<float>> grads;
+        m.for_each_parameter([&](nn::Parameter& p) {
+          comm.all_reduce(p.grad);  // each cp rank holds its tokens' share
+          grads[p.name] = host_f32(p.grad);
+        });
+        if (comm.rank() == 0) {
+          std::lock_guard lock(mu);
+          out.loss = loss.to_vector<float>()[0];
+          out.logprobs = host_f32(lp);
+          out.grads = grads;
+        }
+      },
+      comm::kLocalCommTimeout);
+  return out;
 }
 
 }  // namespace slime_test::cp

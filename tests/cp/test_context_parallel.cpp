@@ -25,13 +25,13 @@
 namespace {
 
 using namespace slime;
+using slime_test::cp::cp_run;
 using slime_test::cp::cu_of;
+using slime_test::cp::Degrees;
+using slime_test::cp::ModelRun;
 using slime_test::cp::OpShape;
+using slime_test::cp::reference_run;
 using slime_test::cp::run_attention_op;
-
-struct Degrees {
-  int u, r;
-};
 
 TEST_CASE("CpPlan: zigzag chunks, Ulysses parts, padding at each sequence's end") {
   // One sequence of 10 tokens, cp = 2 ring: padded to 12 (multiple of 2r = 4),
@@ -69,12 +69,16 @@ TEST_CASE("ContextParallel attention equals one attention over the batch (f32, C
       {{5}, 4, 1, 8},                // GQA with one KV head
       {{3, 200, 1, 17}, 8, 4, 16},   // very different lengths
   };
-  for (const Degrees dg : {Degrees{1, 2}, Degrees{2, 1}, Degrees{1, 4}, Degrees{4, 1}, Degrees{2, 2}, Degrees{1, 3}}) {
+  constexpr auto gather = parallel::RingKv::all_gather;
+  for (const Degrees dg :
+       {Degrees{1, 2}, Degrees{2, 1}, Degrees{1, 4}, Degrees{4, 1}, Degrees{2, 2}, Degrees{1, 3}, Degrees{1, 2, gather},
+        Degrees{1, 4, gather}, Degrees{2, 2, gather}, Degrees{1, 3, gather}}) {
     for (const OpShape& s : shapes) {
       if (s.hkv % dg.u != 0 || s.hq % dg.u != 0) continue;  // Ulysses needs the heads to divide (errors below)
-      INFO("ulysses " << dg.u << " x ring " << dg.r << ", hq " << s.hq << ", hkv " << s.hkv << ", " << s.lengths.size()
-                      << " sequences");
-      const auto res = run_attention_op(s, dg.u, dg.r);
+      INFO("ulysses " << dg.u << " x ring " << dg.r
+                      << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : "") << ", hq " << s.hq
+                      << ", hkv " << s.hkv << ", " << s.lengths.size() << " sequences");
+      const auto res = run_attention_op(s, dg.u, dg.r, dg.kv);
       // Largest difference / largest reference magnitude, per tensor.
       CHECK(res.o <= 1e-6);
       CHECK(res.dq <= 1e-6);
@@ -85,68 +89,6 @@ TEST_CASE("ContextParallel attention equals one attention over the batch (f32, C
   }
 }
 
-// The tiny Qwen3 of the FSDP tests (f32, CPU): vocab 37, hidden 16, 2 layers.
-nn::Qwen3Config tiny(bool moe) { return slime_test::fsdp::tiny_config(/*tied=*/false, moe); }
-nn::Qwen3Model model_of(const nn::Qwen3Config& c) { return slime_test::fsdp::make_model(c, 11); }
-
-struct ModelRun {
-  double loss = 0;
-  std::vector<float> logprobs;
-  std::map<std::string, std::vector<float>> grads;
-};
-
-ModelRun reference_run(const nn::Qwen3Config& c, const std::vector<std::vector<int32_t>>& seqs,
-                       const std::vector<int32_t>& targets) {
-  nn::Qwen3Model m = model_of(c);
-  nn::zero_grad(m);
-  const nn::PackedBatch b = nn::make_packed_batch(seqs);
-  const auto res = m.loss_and_backward(b, Tensor::from_vector(targets, {int64_t(targets.size())}));
-  ModelRun out;
-  out.loss = res.loss;
-  out.logprobs = res.logprobs.to_vector<float>();
-  m.for_each_parameter([&](nn::Parameter& p) { out.grads[p.name] = p.grad.to_vector<float>(); });
-  return out;
-}
-
-ModelRun cp_run(const nn::Qwen3Config& c, const std::vector<std::vector<int32_t>>& seqs,
-                const std::vector<int32_t>& targets, Degrees dg) {
-  std::vector<int32_t> cu{0}, tokens;
-  for (const auto& s : seqs) {
-    cu.push_back(cu.back() + int32_t(s.size()));
-    tokens.insert(tokens.end(), s.begin(), s.end());
-  }
-  ModelRun out;
-  std::mutex mu;
-  comm::run_local_ranks(dg.u * dg.r, [&](comm::Comm& comm) {
-    nn::Qwen3Model m = model_of(c);
-    parallel::ContextParallel cpar(comm, {.ulysses = dg.u});
-    m.set_sequence_attention(&cpar);
-    nn::zero_grad(m);
-    const parallel::CpPlan& plan = cpar.plan(cu);
-    const nn::PackedBatch local = cpar.local_batch(tokens);
-    const int64_t T = plan.local_tokens();
-    const Tensor t = Tensor::from_vector(plan.take(targets, 0), {T});
-    const Tensor w = Tensor::from_vector(plan.take(std::vector<float>(targets.size(), 1.f), 0.f), {T});
-    // The whole batch's token count normalises every rank's share.
-    const auto res = m.loss_and_backward(local, t, w, 1.f, double(targets.size()));
-    Tensor loss = Tensor::from_vector(std::vector<float>{float(res.loss)}, {1});
-    comm.all_reduce(loss);
-    const Tensor lp = cpar.gather(res.logprobs);
-    std::map<std::string, std::vector<float>> grads;
-    m.for_each_parameter([&](nn::Parameter& p) {
-      comm.all_reduce(p.grad);  // each cp rank holds its tokens' share
-      grads[p.name] = p.grad.to_vector<float>();
-    });
-    if (comm.rank() == 0) {
-      std::lock_guard lock(mu);
-      out.loss = loss.to_vector<float>()[0];
-      out.logprobs = lp.to_vector<float>();
-      out.grads = grads;
-    }
-  });
-  return out;
-}
-
 TEST_CASE("Qwen3 with context parallelism: loss, logprobs and gradients equal the unsplit model (f32, CPU)") {
   const std::vector<std::vector<int32_t>> seqs = {
       {3, 14, 15, 9, 2, 6, 5}, {35}, {8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4}, {1, 2}};
@@ -154,10 +96,13 @@ TEST_CASE("Qwen3 with context parallelism: loss, logprobs and gradients equal th
   for (const auto& s : seqs)
     for (int32_t x : s) targets.push_back((x * 5 + 3) % 37);
   for (const bool moe : {false, true}) {
-    const nn::Qwen3Config c = tiny(moe);
+    const nn::Qwen3Config c = slime_test::fsdp::tiny_config(/*tied=*/false, moe);
     const ModelRun ref = reference_run(c, seqs, targets);
-    for (const Degrees dg : {Degrees{1, 2}, Degrees{2, 1}, Degrees{1, 4}, Degrees{2, 2}}) {
-      INFO((moe ? "moe" : "dense") << ", ulysses " << dg.u << " x ring " << dg.r);
+    for (const Degrees dg :
+         {Degrees{1, 2}, Degrees{2, 1}, Degrees{1, 4}, Degrees{2, 2}, Degrees{1, 2, parallel::RingKv::all_gather},
+          Degrees{2, 2, parallel::RingKv::all_gather}}) {
+      INFO((moe ? "moe" : "dense") << ", ulysses " << dg.u << " x ring " << dg.r
+                                   << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : ""));
       const ModelRun run = cp_run(c, seqs, targets, dg);
       CHECK(std::abs(run.loss - ref.loss) <= 1e-6 * std::abs(ref.loss));
       REQUIRE(run.logprobs.size() == ref.logprobs.size());

@@ -191,8 +191,20 @@ inline RingBlocks ring_blocks(const CpPlan& p, Device dev, const Stream& s = {})
   return out;
 }
 
+// How the ring degree's K/V reach the queries (r > 1).
+enum class RingKv : uint8_t {
+  p2p,         // blocks travel around the ring (send/recv), overlapping the block attention
+  all_gather,  // every ring rank gathers the whole sequences' K/V once (Llama 3): two attention calls
+  automatic,   // all_gather when the ring rank's rows (u T) are at most all_gather_max_rows, else p2p
+};
+
 struct ContextParallelOptions {
   int ulysses = 1;  // Ulysses degree u (divides cp); the ring degree is cp / u
+  RingKv ring_kv = RingKv::automatic;
+  // RingKv::automatic's size rule: short batches are bound by the ring's r
+  // latency-bound exchanges, long ones by the gathered K/V's memory
+  // (r times the rank's). Not tuned by measurement yet.
+  int64_t all_gather_max_rows = 4096;
 };
 
 class ContextParallel final : public nn::SequenceAttention {
@@ -200,7 +212,7 @@ class ContextParallel final : public nn::SequenceAttention {
   // Collective over `cp` (the mesh's cp axis; it must outlive this object):
   // splits it into the Ulysses groups (ranks ring_rank * u .. + u - 1) and
   // the rings (ranks with the same ulysses_rank).
-  explicit ContextParallel(comm::Comm& cp, ContextParallelOptions opt = {}) : cp_(&cp), u_(opt.ulysses) {
+  explicit ContextParallel(comm::Comm& cp, ContextParallelOptions opt = {}) : cp_(&cp), u_(opt.ulysses), options_(opt) {
     SLIME_CHECK(u_ >= 1 && cp.size() % u_ == 0, "ContextParallel: the Ulysses degree ", u_, " must divide the cp size ",
                 cp.size());
     r_ = cp.size() / u_;
@@ -276,15 +288,20 @@ class ContextParallel final : public nn::SequenceAttention {
     const Tensor qh = to_heads(*st, q, stream), kh = to_heads(*st, k, stream), vh = to_heads(*st, v, stream);
     const Tensor oh = u_ > 1 ? Tensor::empty(qh.shape(), qh.dtype(), qh.device(), stream) : o;
     const Tensor lse = Tensor::empty({qh.size(0), qh.size(1)}, DType::f32, qh.device(), stream);
+    saved.tensors = {qh, kh, vh, oh, lse};
+    saved.state = st;
     if (r_ == 1) {
       ops::attention_forward(qh, kh, vh, st->blocks.self.cu_q, st->blocks.self.cu_q, st->blocks.self.max_q,
                              st->blocks.self.max_q, oh, lse, {}, stream);
+    } else if (st->all_gather) {
+      const Tensor kn = gather_natural(*st, kh, stream), vn = gather_natural(*st, vh, stream);
+      gathered_forward(*st, qh, kn, vn, oh, lse, stream);
+      saved.tensors[1] = kn;  // backward needs the gathered keys and values
+      saved.tensors[2] = vn;
     } else {
       ring_forward(*st, qh, kh, vh, oh, lse, stream);
     }
     if (u_ > 1) to_sequence(*st, oh, o, stream);
-    saved.tensors = {qh, kh, vh, oh, lse};
-    saved.state = st;
   }
 
   void backward(const nn::SequenceAttention::Saved& saved, const Tensor& d_o, const Tensor& dq, const Tensor& dk,
@@ -295,14 +312,17 @@ class ContextParallel final : public nn::SequenceAttention {
     const Tensor &qh = saved.tensors[0], &kh = saved.tensors[1], &vh = saved.tensors[2], &oh = saved.tensors[3],
                  &lse = saved.tensors[4];
     const Tensor doh = to_heads(*st, d_o, stream);
+    // The ring rank's rows (kh, vh hold every ring rank's after an all-gather).
     const auto like = [&](const Tensor& t, const Tensor& out) {
-      return u_ > 1 ? Tensor::empty(t.shape(), t.dtype(), t.device(), stream) : out;
+      return u_ > 1 ? Tensor::empty({qh.size(0), t.size(1), t.size(2)}, t.dtype(), t.device(), stream) : out;
     };
     const Tensor dqh = like(qh, dq), dkh = like(kh, dk), dvh = like(vh, dv);
     if (r_ == 1) {
       ops::attention_backward(qh, kh, vh, oh, lse, doh, st->blocks.self.cu_q, st->blocks.self.cu_q,
                               st->blocks.self.max_q, st->blocks.self.max_q, dqh, dkh, dvh, {}, workspace(qh, stream),
                               stream);
+    } else if (st->all_gather) {
+      gathered_backward(*st, qh, kh, vh, oh, lse, doh, dqh, dkh, dvh, stream);
     } else {
       ring_backward(*st, qh, kh, vh, oh, lse, doh, dqh, dkh, dvh, stream);
     }
@@ -325,6 +345,12 @@ class ContextParallel final : public nn::SequenceAttention {
     Tensor ring_inverse;  // [u T]: received-buffer row -> ring-order row
     Tensor merge_index;   // [T u]: row t u + k of the output = row k T + t of the received buffer
     RingBlocks blocks;
+    bool all_gather = false;  // RingKv resolved for this batch
+    // all_gather: natural order (sequence by sequence, positions in order) of
+    // the gathered [r u T] rows, and the block of each of the two chunks.
+    Tensor natural_index;    // natural row -> row of the all-gathered (ring-rank-major) buffer
+    Tensor natural_inverse;  // the inverse
+    RingBlock first, second;
   };
 
   std::shared_ptr<const State> checked_state() const {
@@ -349,6 +375,10 @@ class ContextParallel final : public nn::SequenceAttention {
     }
     st.gather_index = upload(gi, dev, s);
     st.blocks = ring_blocks(p, dev, s);
+    const int64_t ring_rows = u_ * T;
+    st.all_gather = r_ > 1 && (options_.ring_kv == RingKv::all_gather ||
+                               (options_.ring_kv == RingKv::automatic && ring_rows <= options_.all_gather_max_rows));
+    if (st.all_gather) build_gathered(st, s);
     if (u_ > 1) {
       std::vector<int32_t> split(std::size_t(u_ * T)), order(std::size_t(u_ * T)), inverse(std::size_t(u_ * T)),
           merge(std::size_t(u_ * T));
@@ -378,6 +408,103 @@ class ContextParallel final : public nn::SequenceAttention {
       st.ring_inverse = upload(inverse, dev, s);
       st.merge_index = upload(merge, dev, s);
     }
+  }
+
+  // The all-gather variant's indices and blocks for ring rank i. Every ring
+  // rank holds, per sequence b, chunks j and 2r-1-j of L_b rows each at the
+  // same offsets (cu_self), so natural position c L_b + t of sequence b lives
+  // on ring rank j = min(c, 2r-1-c) at row cu_self[b] + (c == j ? 0 : L_b) + t.
+  // Queries of chunk i see the natural keys [0, (i+1) L_b), those of chunk
+  // 2r-1-i [0, (2r-i) L_b), both bottom-right causal: one call per chunk
+  // (the other chunk's rows are a sequence with no keys), then a merge.
+  void build_gathered(State& st, const Stream& s) const {
+    const CpPlan& p = st.plan;
+    const int i = p.ring_rank();
+    const int64_t rows = u_ * p.local_tokens(), B = p.num_sequences(), r = r_;
+    std::vector<int32_t> nat(std::size_t(r * rows)), inv(std::size_t(r * rows));
+    std::vector<int32_t> fq{0}, fk{0}, sq{0}, sk{0};
+    int64_t at = 0, max_l = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t start = u_ * p.cu_local[std::size_t(b)];
+      const int64_t L = u_ * (p.cu_local[std::size_t(b) + 1] - p.cu_local[std::size_t(b)]) / 2, P = 2 * r * L;
+      max_l = std::max(max_l, L);
+      for (int64_t c = 0; c < 2 * r; ++c) {
+        const int64_t j = std::min(c, 2 * r - 1 - c);
+        for (int64_t t = 0; t < L; ++t) {
+          const int64_t src = j * rows + start + (c == j ? 0 : L) + t;
+          nat[std::size_t(at)] = int32_t(src);
+          inv[std::size_t(src)] = int32_t(at);
+          ++at;
+        }
+      }
+      const int64_t kf = (i + 1) * L, ks = (2 * r - i) * L;
+      for (const int64_t len : {L, int64_t(0), L}) fq.push_back(int32_t(fq.back() + len));
+      for (const int64_t len : {kf, P - kf, int64_t(0)}) fk.push_back(int32_t(fk.back() + len));
+      for (const int64_t len : {L, L, int64_t(0)}) sq.push_back(int32_t(sq.back() + len));
+      for (const int64_t len : {int64_t(0), ks, P - ks}) sk.push_back(int32_t(sk.back() + len));
+    }
+    const Device dev = device();
+    st.natural_index = upload(nat, dev, s);
+    st.natural_inverse = upload(inv, dev, s);
+    const int64_t max_p = 2 * r * max_l;
+    st.first = {upload(fq, dev, s), upload(fk, dev, s), max_l, max_p, true};
+    st.second = {upload(sq, dev, s), upload(sk, dev, s), max_l, max_p, true};
+  }
+
+  // x [u T, H, d] of every ring rank, gathered in natural order: [r u T, H, d].
+  Tensor gather_natural(const State& st, const Tensor& x, const Stream& s) const {
+    Tensor all = Tensor::empty({r_ * x.size(0), x.size(1), x.size(2)}, x.dtype(), x.device(), s);
+    ring_comm_->all_gather(x, all, s);
+    Tensor out = Tensor::empty(all.shape(), x.dtype(), x.device(), s);
+    ops::gather_rows(all, st.natural_index, out, s);
+    return out;
+  }
+
+  static ops::AttentionOptions gathered_options() {
+    ops::AttentionOptions opt;
+    opt.align = ops::CausalAlign::bottom_right;
+    return opt;
+  }
+
+  void gathered_forward(const State& st, const Tensor& q, const Tensor& kn, const Tensor& vn, const Tensor& o,
+                        const Tensor& lse, const Stream& s) const {
+    const ops::AttentionOptions opt = gathered_options();
+    Tensor o2 = Tensor::empty(q.shape(), q.dtype(), q.device(), s);
+    Tensor lse2 = Tensor::empty(lse.shape(), DType::f32, q.device(), s);
+    ops::attention_forward(q, kn, vn, st.first.cu_q, st.first.cu_k, st.first.max_q, st.first.max_k, o, lse, opt, s);
+    ops::attention_forward(q, kn, vn, st.second.cu_q, st.second.cu_k, st.second.max_q, st.second.max_k, o2, lse2, opt,
+                           s);
+    ops::merge_attention_partials(o, lse, o2, lse2, o, lse, s);  // each row has its keys in one of the two
+  }
+
+  void gathered_backward(const State& st, const Tensor& q, const Tensor& kn, const Tensor& vn, const Tensor& o,
+                         const Tensor& lse, const Tensor& d_o, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                         const Stream& s) {
+    const ops::AttentionOptions opt = gathered_options();
+    const Device dev = q.device();
+    const Tensor& ws = workspace(q, s);
+    Tensor dq2 = Tensor::empty(q.shape(), q.dtype(), dev, s);
+    Tensor dk1 = Tensor::empty(kn.shape(), kn.dtype(), dev, s), dv1 = Tensor::empty(vn.shape(), vn.dtype(), dev, s);
+    Tensor dk2 = Tensor::empty(kn.shape(), kn.dtype(), dev, s), dv2 = Tensor::empty(vn.shape(), vn.dtype(), dev, s);
+    ops::attention_backward(q, kn, vn, o, lse, d_o, st.first.cu_q, st.first.cu_k, st.first.max_q, st.first.max_k, dq,
+                            dk1, dv1, opt, ws, s);
+    ops::attention_backward(q, kn, vn, o, lse, d_o, st.second.cu_q, st.second.cu_k, st.second.max_q, st.second.max_k,
+                            dq2, dk2, dv2, opt, ws, s);
+    ops::add_(dq, dq2, s);  // a row's dq is zero in the call where it sees no key: exact
+    // dK, dV of the natural rows: the two calls' sum in f32, back to ring-rank
+    // order, summed over the ring onto each row's owner.
+    const auto reduce_to_owner = [&](const Tensor& g1, const Tensor& g2, const Tensor& out) {
+      Tensor sum = Tensor::empty(g1.shape(), DType::f32, dev, s), tmp = Tensor::empty(g1.shape(), DType::f32, dev, s);
+      ops::cast(g1, sum, s);
+      ops::cast(g2, tmp, s);
+      ops::add_(sum, tmp, s);
+      ops::gather_rows(sum, st.natural_inverse, tmp, s);  // ring-rank-major
+      Tensor mine = Tensor::empty(out.shape(), DType::f32, dev, s);
+      ring_comm_->reduce_scatter(tmp, mine, comm::ReduceOp::sum, s);
+      ops::cast(mine, out, s);
+    };
+    reduce_to_owner(dk1, dk2, dk);
+    reduce_to_owner(dv1, dv2, dv);
   }
 
   void check_batch(const State& st, const Tensor& q, const Tensor& k, const nn::PackedBatch& batch) const {
@@ -570,6 +697,7 @@ class ContextParallel final : public nn::SequenceAttention {
 
   comm::Comm* cp_;
   int u_ = 1, r_ = 1;
+  ContextParallelOptions options_;
   std::unique_ptr<comm::Comm> ulysses_comm_, ring_comm_;
   std::shared_ptr<const State> state_;
   std::unique_ptr<Stream> comm_stream_;

@@ -1,0 +1,84 @@
+// parallel::ContextParallel on one GPU: 2-4 LocalComm ranks as threads
+// sharing a CUDA device, bf16, the attention kernels of src/ops/: Ulysses,
+// zigzag ring attention and their hybrid against the f32 attention of the
+// whole batch (head dims 64 and 128, odd lengths, one-token samples, samples
+// shorter than cp, GQA with one KV head), and a tiny Qwen3 (head_dim 64)
+// trained with cp ranks against the same model on one rank of the GPU.
+#include <catch2/catch_test_macros.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "../fsdp/sharded_test_util.hpp"
+#include "cp_test_util.hpp"
+#include "slime/core/device.hpp"
+
+namespace {
+
+using namespace slime;
+using slime_test::cp::Degrees;
+using slime_test::cp::OpShape;
+
+TEST_CASE("ContextParallel attention on CUDA (bf16) equals one attention over the batch") {
+  if (cuda_device_count() == 0) SKIP("no CUDA device");
+  const std::vector<OpShape> shapes = {
+      {{1, 7, 333, 2, 512, 65}, 16, 4, 128},
+      {{129, 3, 700}, 8, 2, 64},
+      {{257}, 8, 1, 64},  // GQA with one KV head (ring only)
+  };
+  constexpr auto gather = parallel::RingKv::all_gather;
+  for (const Degrees dg : {Degrees{1, 2}, Degrees{2, 1}, Degrees{1, 4}, Degrees{4, 1}, Degrees{2, 2},
+                           Degrees{1, 2, gather}, Degrees{2, 2, gather}}) {
+    for (const OpShape& s : shapes) {
+      if (s.hkv % dg.u != 0 || s.hq % dg.u != 0) continue;
+      INFO("ulysses " << dg.u << " x ring " << dg.r
+                      << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : "") << ", hq " << s.hq
+                      << ", hkv " << s.hkv << ", d " << s.d);
+      const auto res = slime_test::cp::run_attention_op(s, dg.u, dg.r, dg.kv, Device::cuda(0), DType::bf16);
+      // bf16 outputs (8 bits of mantissa) of f32-accumulating kernels,
+      // relative to each tensor's largest magnitude.
+      CHECK(res.o <= 1e-2);
+      CHECK(res.dq <= 2e-2);
+      CHECK(res.dk <= 2e-2);
+      CHECK(res.dv <= 2e-2);
+      CHECK(res.padding_grad == 0.0);
+    }
+  }
+}
+
+TEST_CASE("Qwen3 with context parallelism on CUDA (bf16) matches the model on one rank") {
+  if (cuda_device_count() == 0) SKIP("no CUDA device");
+  nn::Qwen3Config c = slime_test::fsdp::tiny_config(/*tied=*/false);
+  c.head_dim = 64;  // the CUDA attention's head dims are 64 and 128
+  const std::vector<std::vector<int32_t>> seqs = {
+      {3, 14, 15, 9, 2, 6, 5}, {35}, {8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 33, 2, 1, 0, 5, 6}, {1, 2}};
+  std::vector<int32_t> targets;
+  for (const auto& s : seqs)
+    for (int32_t x : s) targets.push_back((x * 5 + 3) % 37);
+  const Device gpu = Device::cuda(0);
+  const auto ref = slime_test::cp::reference_run(c, seqs, targets, gpu);
+  for (const Degrees dg : {Degrees{1, 2}, Degrees{2, 1}, Degrees{2, 2}, Degrees{1, 2, parallel::RingKv::all_gather}}) {
+    INFO("ulysses " << dg.u << " x ring " << dg.r
+                    << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : ""));
+    const auto run = slime_test::cp::cp_run(c, seqs, targets, dg, gpu);
+    CHECK(std::abs(run.loss - ref.loss) <= 1e-2 * std::abs(ref.loss));
+    REQUIRE(run.logprobs.size() == ref.logprobs.size());
+    double lp = 0;
+    for (std::size_t i = 0; i < ref.logprobs.size(); ++i)
+      lp = std::max(lp, double(std::abs(run.logprobs[i] - ref.logprobs[i])));
+    CHECK(lp <= 5e-2);
+    for (const auto& [name, g] : ref.grads) {
+      INFO(name);
+      const auto& h = run.grads.at(name);
+      double num = 0, den = 0;
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        num += double(h[i] - g[i]) * double(h[i] - g[i]);
+        den += double(g[i]) * double(g[i]);
+      }
+      CHECK(std::sqrt(num / std::max(den, 1e-30)) <= 5e-2);
+    }
+  }
+}
+
+}  // namespace
