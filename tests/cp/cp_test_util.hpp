@@ -181,6 +181,34 @@ inline OpResult run_attention_op(const OpShape& shape, int u, int r, parallel::R
   return res;
 }
 
+// Every difference of `r` within its tolerance (o; dq, dk, dv), padding
+// rows' gradients exactly zero.
+inline void check_op(const OpResult& r, double o_tol, double grad_tol) {
+  CHECK(r.o <= o_tol);
+  CHECK(r.dq <= grad_tol);
+  CHECK(r.dk <= grad_tol);
+  CHECK(r.dv <= grad_tol);
+  CHECK(r.padding_grad == 0.0);
+}
+
+inline double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, double(std::abs(a[i] - b[i])));
+  return m;
+}
+
+// ||a - b|| / ||b||.
+inline double rel_norm_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    num += double(a[i] - b[i]) * double(a[i] - b[i]);
+    den += double(b[i]) * double(b[i]);
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
 // Ulysses x ring degrees and how the ring's K/V travel.
 struct Degrees {
   int u, r;
