@@ -52,6 +52,9 @@ struct Options {
   // Parallelism and devices.
   std::string fsdp = "full";               // full | grad_op | no_shard
   int ep = 1;                              // expert-parallel degree (must divide the ranks and the experts)
+  int cp = 1;                              // context-parallel degree: each response split over cp ranks
+  int ulysses = 1;                         // of cp, the Ulysses (head) degree; the rest is ring attention
+  std::string ring_kv = "auto";            // p2p | all-gather | auto: how ring attention moves K/V
   std::string rollout_mode = "colocated";  // colocated | disaggregated
   int engine_ranks = 1;                    // disaggregated: the last engine_ranks ranks run engines
   bool offload = false;  // colocated: the policy's training state leaves the GPU while the engine generates, the
@@ -151,6 +154,17 @@ struct Options {
     app.add_option("--ep", ep,
                    "expert-parallel degree: the experts split over ep ranks, each slice sharded over ranks / ep (1: "
                    "experts shard like the rest)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--cp", cp,
+                   "context-parallel degree: every micro-batch's sequences split over cp ranks (zigzag ring "
+                   "attention and/or Ulysses); the ranks are dp x cp x ep")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--ulysses", ulysses, "of --cp, the Ulysses degree (divides cp and the heads); cp / ulysses is ring")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--ring-kv", ring_kv, "p2p | all-gather | auto (all-gather for short micro-batches)")
         ->capture_default_str()
         ->group(g);
     app.add_option("--rollout", rollout_mode,

@@ -66,6 +66,7 @@
 #include "slime/nn/checkpoint.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/optim/lr_schedule.hpp"
+#include "slime/parallel/context_parallel.hpp"
 #include "slime/parallel/expert_parallel.hpp"
 #include "slime/parallel/export_hf.hpp"
 #include "slime/parallel/sharded.hpp"
@@ -137,12 +138,13 @@ struct Rollout {
 // last token) and per input position the target (the next token) and what
 // the loss needs of it.
 struct MicroBatch {
-  nn::PackedBatch batch;
-  Tensor targets;     // i32 [T] on the device
-  Tensor loss_mask;   // u8 [T] host: 1 where the target is a response token
-  Tensor rollout_lp;  // f32 [T] host (0 outside the loss)
-  Tensor advantages;  // f32 [T] host (0 outside the loss)
-  Tensor cu_seqlens;  // i32 [S + 1] host
+  nn::PackedBatch batch;             // the whole micro-batch (with --cp: its shape; this rank runs local)
+  std::vector<int32_t> tokens_host;  // its tokens (--cp: the plan's input)
+  Tensor targets;                    // i32 [T] on the device
+  Tensor loss_mask;                  // u8 [T] host: 1 where the target is a response token
+  Tensor rollout_lp;                 // f32 [T] host (0 outside the loss)
+  Tensor advantages;                 // f32 [T] host (0 outside the loss)
+  Tensor cu_seqlens;                 // i32 [S + 1] host
   int64_t response_tokens = 0;
 };
 
@@ -178,12 +180,19 @@ class Trainer {
     task_ = data::make_task(o.task);
     config_ = model_config(o);
     check_options();
-    // The mesh dp_shard x ep; experts only for a mixture of experts.
+    // The mesh dp_shard x cp x ep; experts only for a mixture of experts.
     mesh_ = std::make_unique<comm::Mesh>(
-        comm, comm::MeshShape{.dp_replicate = 1, .dp_shard = comm.size() / o.ep, .cp = 1, .ep = o.ep});
+        comm, comm::MeshShape{.dp_replicate = 1, .dp_shard = comm.size() / (o.ep * o.cp), .cp = o.cp, .ep = o.ep});
     if (config_.is_moe()) ep_ = std::make_unique<parallel::ExpertParallel<>>(*mesh_, config_.num_experts);
+    // --cp: the cp ranks of a data rank share its micro-batches, each holding
+    // its plan's rows of every sequence; the model's attention (policy and
+    // reference copies alike) runs through the ContextParallel.
+    if (o.cp > 1)
+      cp_ = std::make_unique<parallel::ContextParallel>(
+          mesh_->comm(comm::Axis::cp), parallel::ContextParallelOptions{.ulysses = o.ulysses, .ring_kv = ring_kv(o)});
     // This rank's experts only (all of them at --ep 1).
     nn::Qwen3Model model(config_, {device_, dtype_}, ep_.get());
+    model.set_sequence_attention(cp_.get());
     if (o.model.empty()) {
       model.init_random(o.seed, o.init_std);
     } else {
@@ -215,7 +224,8 @@ class Trainer {
     schedule_ = o.lr_schedule == "cosine"   ? optim::LrSchedule::cosine(o.lr, o.warmup_steps, o.steps, o.min_lr)
                 : o.lr_schedule == "warmup" ? optim::LrSchedule::linear_warmup(o.lr, std::max(o.warmup_steps, 1))
                                             : optim::LrSchedule::constant(o.lr);
-    packer_.emplace(data::PackConfig{.dp_size = 1, .max_tokens_per_gpu = o.max_tokens_per_gpu});
+    // A micro-batch of the whole cp group: each rank holds 1/cp of its tokens.
+    packer_.emplace(data::PackConfig{.dp_size = 1, .max_tokens_per_gpu = o.max_tokens_per_gpu * o.cp});
   }
 
   // Runs the steps; rank 0 logs. Returns the per-step reports (every rank).
@@ -228,9 +238,15 @@ class Trainer {
  private:
   // Every option the trainer reads, checked before anything is built.
   void check_options() const {
-    const int W = comm_.size();
+    SLIME_CHECK(o_.cp >= 1 && comm_.size() % (o_.cp * o_.ep) == 0, "--cp ", o_.cp, " x --ep ", o_.ep,
+                " must divide the ", comm_.size(), " ranks");
+    SLIME_CHECK(o_.ulysses >= 1 && o_.cp % o_.ulysses == 0, "--ulysses ", o_.ulysses, " must divide --cp ", o_.cp);
+    SLIME_CHECK(o_.cp == 1 || o_.rollout_mode == "colocated", "--cp ", o_.cp,
+                " needs --rollout colocated (disaggregated engines serve data-parallel ranks only)");
+    (void)ring_kv(o_);
+    const int W = comm_.size() / o_.cp;  // data ranks: the cp ranks of one share its prompts
     SLIME_CHECK(o_.prompts_per_rollout % W == 0, "--prompts-per-rollout ", o_.prompts_per_rollout,
-                " must divide over the ", W, " ranks");
+                " must divide over the ", W, " data-parallel ranks");
     SLIME_CHECK(o_.samples_per_prompt >= 2, "--samples-per-prompt must be >= 2 (a group needs a baseline)");
     SLIME_CHECK(o_.ep >= 1 && W % o_.ep == 0, "--ep ", o_.ep, " must be >= 1 and divide the ", W, " ranks");
     SLIME_CHECK(config_.is_moe() || o_.ep == 1, "--ep ", o_.ep, ": the model is not a mixture of experts");
@@ -242,6 +258,20 @@ class Trainer {
                             {{"none", 0}, {"tis", 0}, {"mis-token", 0}, {"mis-sequence", 0}, {"mis-geometric", 0}});
     (void)parse_choice<int>("--mis-mode", o_.mis_mode, {{"truncate", 0}, {"clip", 0}, {"mask", 0}});
     (void)parse_choice<int>("--lr-schedule", o_.lr_schedule, {{"constant", 0}, {"warmup", 0}, {"cosine", 0}});
+  }
+
+  static parallel::RingKv ring_kv(const Options& o) {
+    return parse_choice<parallel::RingKv>("--ring-kv", o.ring_kv,
+                                          {{"p2p", parallel::RingKv::p2p},
+                                           {"all-gather", parallel::RingKv::all_gather},
+                                           {"auto", parallel::RingKv::automatic}});
+  }
+
+  // The data-parallel ranks (dp_shard x ep: each has its own prompts) and
+  // this rank's index among them; the cp ranks of one share its data.
+  int data_ranks() const { return comm_.size() / o_.cp; }
+  int data_rank() const {
+    return mesh_->coord(comm::Axis::dp_shard) * mesh_->size(comm::Axis::ep) + mesh_->coord(comm::Axis::ep);
   }
 
   std::vector<StepReport> run_steps() {
@@ -296,13 +326,13 @@ class Trainer {
   // same order and takes its slice), n samples each, keyed by their global
   // slot: the same samples whatever the rank count.
   Rollout rollout(int64_t step) {
-    const int64_t per_rank = o_.prompts_per_rollout / comm_.size(), n = o_.samples_per_prompt;
+    const int64_t per_rank = o_.prompts_per_rollout / data_ranks(), n = o_.samples_per_prompt;
     Rollout r;
     std::vector<int64_t> batch;  // dataset rows of the step's prompts
     if (dataset_) batch = dataset_->next_batch(o_.prompts_per_rollout);
     std::vector<rollout::Request> requests;
     for (int64_t i = 0; i < per_rank; ++i) {
-      const int64_t slot = comm_.rank() * per_rank + i;
+      const int64_t slot = data_rank() * per_rank + i;
       const uint64_t g = uint64_t(step) * uint64_t(o_.prompts_per_rollout) + uint64_t(slot);
       if (dataset_) r.dataset_rows.push_back(batch[std::size_t(slot)]);
       r.prompts.push_back(dataset_ ? (*dataset_)[r.dataset_rows.back()].tokens : task_->prompt(o_.seed, g));
@@ -319,7 +349,25 @@ class Trainer {
     r.responses = generate(requests);
     for (const rollout::Completion& c : r.responses)
       SLIME_CHECK(c.finish != rollout::FinishReason::error && !c.tokens.empty(), "rollout failed: ", c.error);
+    if (cp_) check_same_over_cp(r);
     return r;
+  }
+
+  // The cp ranks of a data rank generated its responses each (same
+  // weights, prompts and sample keys: the same tokens); a hash of them must
+  // agree, or the cp ranks would train on different sequences.
+  void check_same_over_cp(const Rollout& r) const {
+    uint64_t h = 1469598103934665603ull;
+    for (const rollout::Completion& c : r.responses)
+      for (int32_t t : c.tokens) h = (h ^ uint64_t(uint32_t(t))) * 1099511628211ull;
+    const int64_t v = int64_t(h >> 1);
+    Tensor lo = Tensor::from_vector(std::vector<int64_t>{v}, {1}, device_),
+           hi = Tensor::from_vector(std::vector<int64_t>{v}, {1}, device_);
+    comm::Comm& cp = mesh_->comm(comm::Axis::cp);
+    cp.all_reduce(lo, comm::ReduceOp::min);
+    cp.all_reduce(hi, comm::ReduceOp::max);
+    SLIME_CHECK(lo.to_vector<int64_t>()[0] == hi.to_vector<int64_t>()[0],
+                "--cp: the cp ranks of a data rank generated different responses (their engines differ)");
   }
 
   // 2. Rewards: the task's verifier, or the user's function for a dataset.
@@ -413,7 +461,10 @@ class Trainer {
       x.rollout_log_probs = c.logprobs;
       x.reward = r.rewards[s];
       x.group_index = int64_t(s / n);
-      lengths.push_back(x.length());
+      // --cp pads each sample to a multiple of the layout's chunks: the
+      // budget counts the padded length.
+      const int64_t m = parallel::CpPlan::multiple(o_.ulysses, o_.cp / o_.ulysses);
+      lengths.push_back(o_.cp > 1 ? (x.length() + m - 1) / m * m : x.length());
     }
     const data::PackConfig& pc = packer_->config();
     const int count = data::agree_micro_batch_count(comm_, data::local_micro_batch_count(pc, lengths));
@@ -456,6 +507,7 @@ class Trainer {
     mb.batch.cu_seqlens_host = p.cu_seqlens;
     mb.batch.max_seqlen = p.max_seqlen;
     mb.targets = Tensor::from_vector(targets, {T}, device_);
+    mb.tokens_host = p.tokens;
     mb.loss_mask = Tensor::from_vector(p.loss_mask, {T});
     mb.rollout_lp = Tensor::from_vector(rollout_lp, {T});
     mb.advantages = Tensor::from_vector(adv, {T});
@@ -492,31 +544,45 @@ class Trainer {
     Tensor t = Tensor::from_vector(std::vector<int64_t>{norm.tokens, norm.sequences}, {2}, device_);
     comm_.all_reduce(t);
     const std::vector<int64_t> v = t.to_vector<int64_t>();
-    return {v[0], v[1]};
+    return {v[0] / o_.cp, v[1] / o_.cp};  // every cp rank counted its data rank's micro-batches
   }
 
+  // With --cp the forward runs on this rank's rows (cp_->local_batch); the
+  // per-token logprobs, entropies and reference logprobs are gathered to the
+  // whole micro-batch, the loss is computed there (the same on every cp rank:
+  // sequence-level terms see whole sequences), and its gradients go back to
+  // this rank's rows for the backward.
   void train_micro_batch(MicroBatch& mb, const rl::LossNormalizer& norm, StepMetrics& m) {
+    nn::PackedBatch local = mb.batch;
+    Tensor targets = mb.targets;
+    if (cp_) {
+      cp_->plan(mb.batch.cu_seqlens_host);
+      local = cp_->local_batch(mb.tokens_host);
+      targets = cp_->local_rows(mb.targets);
+    }
+    const auto whole = [&](const Tensor& t) { return cp_ ? cp_->gather(t) : t; };
     typename Policy::Context ctx;
-    const Tensor hidden = policy_->forward(mb.batch, ctx);
-    const ops::TokenLogprobs fwd = policy_->token_logprobs(hidden, mb.targets, o_.temperature);
+    const Tensor hidden = policy_->forward(local, ctx);
+    const ops::TokenLogprobs fwd = policy_->token_logprobs(hidden, targets, o_.temperature);
     rl::PolicyLossTensors in;
-    in.lp = fwd.logprobs;
-    in.old_lp = fwd.logprobs;  // one update per rollout: old = current (detached)
+    in.lp = whole(fwd.logprobs);
+    in.old_lp = in.lp;  // one update per rollout: old = current (detached)
     in.advantages = mb.advantages.to(device_);
     in.loss_mask = mb.loss_mask.to(device_);
     in.cu_seqlens = mb.batch.cu_seqlens;
-    if (o_.entropy_coef != 0) in.entropy = fwd.entropy;
-    if (ref_) in.ref_lp = ref_->logprobs(mb.batch, mb.targets, o_.temperature);
+    if (o_.entropy_coef != 0) in.entropy = whole(fwd.entropy);
+    if (ref_) in.ref_lp = whole(ref_->logprobs(local, targets, o_.temperature));
     if (o_.is_correction != "none") {
-      const rl::ImportanceResult w = importance(fwd.logprobs.to(Device::cpu()), mb);
+      const rl::ImportanceResult w = importance(in.lp.to(Device::cpu()), mb);
       m.importance += w.metrics;
       in.is_weights = w.weights.to(device_);
       in.keep_mask = w.keep_mask.to(device_);
     }
     const rl::PolicyLossResult res = rl::policy_loss(loss_config(o_), norm, in);
     m.loss += res.metrics;
-    policy_->backward(
-        ctx, policy_->token_logprobs_backward(hidden, mb.targets, o_.temperature, fwd, res.grad_lp, res.grad_entropy));
+    const auto mine = [&](const Tensor& g) { return cp_ && g.defined() ? cp_->local_rows(g) : g; };
+    policy_->backward(ctx, policy_->token_logprobs_backward(hidden, targets, o_.temperature, fwd, mine(res.grad_lp),
+                                                            mine(res.grad_entropy)));
   }
 
   static rl::PolicyLossConfig loss_config(const Options& o) {
@@ -565,6 +631,11 @@ class Trainer {
   // 7. The step's metrics over every rank; rank 0 writes them.
   StepReport log_step(int64_t step, StepMetrics& m) {
     m.peak_memory_bytes = memory_stats(device_).peak_bytes;
+    if (cp_ && mesh_->coord(comm::Axis::cp) != 0) {  // the cp ranks of a data rank measured the same step
+      StepMetrics peak;
+      peak.peak_memory_bytes = m.peak_memory_bytes;
+      m = peak;
+    }
     m.reduce(comm_);
     const io::Scalars s = m.scalars();
     const auto value = [&](std::string_view key) {
@@ -653,7 +724,7 @@ class Trainer {
   comm::Comm& comm_;
   Device device_;
   const RemoteRollout* remote_ = nullptr;           // disaggregated rollout
-  std::unique_ptr<comm::Mesh> mesh_;                // dp_shard x ep
+  std::unique_ptr<comm::Mesh> mesh_;                // dp_shard x cp x ep
   std::unique_ptr<parallel::ExpertParallel<>> ep_;  // the mesh's ep axis, MoE models (outlives the models)
   DType dtype_ = DType::f32;
   nn::Qwen3Config config_;
@@ -668,7 +739,8 @@ class Trainer {
   bool engine_on_device_ = false;  // --offload: the engine, not the policy, holds the device
   optim::LrSchedule schedule_ = optim::LrSchedule::constant(1e-3);
   std::optional<data::Packer> packer_;
-  std::unique_ptr<io::MetricsLog> log_;  // rank 0
+  std::unique_ptr<parallel::ContextParallel> cp_;  // --cp > 1
+  std::unique_ptr<io::MetricsLog> log_;            // rank 0
   std::unique_ptr<io::Progress> progress_;
 };
 

@@ -279,6 +279,24 @@ class ContextParallel final : public nn::SequenceAttention {
     return out;
   }
 
+  // This rank's rows [T_local, ...] of a tensor of the whole batch, global
+  // [T_global, ...] on the cp device (e.g. a loss's gradient of the gathered
+  // logprobs); padding rows are 0. Not collective.
+  Tensor local_rows(const Tensor& global, const Stream& stream = {}) const {
+    const State& st = *checked_state();
+    const int64_t T = st.plan.cu_global.back();
+    SLIME_CHECK(global.dim() >= 1 && global.size(0) == T, "ContextParallel::local_rows: expected [", T,
+                ", ...] (the whole batch's rows), got ", global.str());
+    Shape ext_shape = global.shape(), out_shape = global.shape();
+    ext_shape[0] = T + 1;  // one zero row for the padding
+    out_shape[0] = st.plan.local_tokens();
+    Tensor ext = Tensor::zeros(ext_shape, global.dtype(), global.device(), stream);
+    ext.slice_rows(0, T).copy_from(global, stream);
+    Tensor out = Tensor::empty(out_shape, global.dtype(), global.device(), stream);
+    ops::gather_rows(ext, st.local_index, out, stream);
+    return out;
+  }
+
   // ---- nn::SequenceAttention ----------------------------------------------
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, const nn::PackedBatch& batch, const Tensor& o,
@@ -339,6 +357,7 @@ class ContextParallel final : public nn::SequenceAttention {
   struct State {
     CpPlan plan;
     Tensor gather_index;  // i32 [T_global]: row of the all-gathered [cp T_local] buffer
+    Tensor local_index;   // i32 [T_local]: global row of each local row, T_global for padding
     // Ulysses (u > 1), indices over rows of width H/u * d:
     Tensor split_index;   // [u T]: row (k, t) of the send buffer = row t u + k of x
     Tensor ring_order;    // [u T]: ring-order row -> row of the received buffer
@@ -374,6 +393,9 @@ class ContextParallel final : public nn::SequenceAttention {
         if (pr.rows[std::size_t(t)] >= 0) gi[std::size_t(pr.rows[std::size_t(t)])] = int32_t(r * T + t);
     }
     st.gather_index = upload(gi, dev, s);
+    std::vector<int32_t> li;
+    for (int64_t g : p.rows) li.push_back(int32_t(g < 0 ? p.cu_global.back() : g));
+    st.local_index = upload(li, dev, s);
     st.blocks = ring_blocks(p, dev, s);
     const int64_t ring_rows = u_ * T;
     st.all_gather = r_ > 1 && (options_.ring_kv == RingKv::all_gather ||
