@@ -1,10 +1,10 @@
 // slime/comm/local_comm.cpp: the bodies of slime/comm/local_comm.hpp (LocalGroup, LocalComm).
-// Host memory only; nothing here depends on SLIME_HAS_CUDA.
+// Nothing here depends on SLIME_HAS_CUDA: CUDA groups reach the device through
+// the detail::LocalCudaOps table they were created with.
 #include "slime/comm/local_comm.hpp"
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -14,10 +14,10 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "slime/comm/detail_reduce.hpp"
 #include "slime/comm/detail_time.hpp"
 
 namespace slime::comm {
@@ -75,64 +75,29 @@ bool bytes_overlap(const void* a, std::size_t a_bytes, const void* b, std::size_
 }
 
 // out[i] = in_0[i] op in_1[i] op ... op in_{n-1}[i], folded left in rank order
-// (see the accumulation rule at the top of this file).
+// (see the accumulation rule in detail_reduce.hpp).
 template <class T>
 void reduce_in_rank_order(std::span<const void* const> inputs, void* out_void, int64_t count, ReduceOp op) {
   T* out = static_cast<T*>(out_void);
-  const std::size_t n = inputs.size();
-  auto in = [&](std::size_t r) { return static_cast<const T*>(inputs[r]); };
-  if constexpr (std::is_integral_v<T>) {
-    using U = std::make_unsigned_t<T>;
-    auto fold = [&](auto combine) {
-      for (int64_t i = 0; i < count; ++i) {
-        T acc = in(0)[i];
-        for (std::size_t r = 1; r < n; ++r) acc = combine(acc, in(r)[i]);
-        out[i] = acc;
-      }
-    };
-    switch (op) {
-      // Unsigned arithmetic wraps; converting back to T is modular (C++20).
-      case ReduceOp::sum:
-        return fold([](T a, T b) { return T(U(a) + U(b)); });
-      case ReduceOp::max:
-        return fold([](T a, T b) { return b > a ? b : a; });
-      case ReduceOp::min:
-        return fold([](T a, T b) { return b < a ? b : a; });
-      case ReduceOp::avg:
-        break;
-    }
-    SLIME_FAIL("LocalComm: ", reduce_op_name(op), " reduction of ", dtype_name(dtype_of<T>), " is not supported");
-  } else {
-    auto fold = [&](auto combine, bool average) {
-      const float ranks = float(n);
-      for (int64_t i = 0; i < count; ++i) {
-        float acc = float(in(0)[i]);
-        for (std::size_t r = 1; r < n; ++r) acc = combine(acc, float(in(r)[i]));
-        if (average) acc /= ranks;
-        out[i] = T(acc);
-      }
-    };
-    auto add = [](float a, float b) { return a + b; };
-    switch (op) {
-      case ReduceOp::sum:
-        return fold(add, false);
-      case ReduceOp::avg:
-        return fold(add, true);
-      case ReduceOp::max:
-        return fold([](float a, float b) { return std::isnan(a) ? a : (std::isnan(b) || b > a) ? b : a; }, false);
-      case ReduceOp::min:
-        return fold([](float a, float b) { return std::isnan(a) ? a : (std::isnan(b) || b < a) ? b : a; }, false);
-    }
-    SLIME_FAIL("LocalComm: invalid reduce op ", int(op));
-  }
+  const int ranks = int(inputs.size());
+  visit_reduce_op<T>(op, [&](auto combine, bool average) {
+    using Combine = decltype(combine);
+    for (int64_t i = 0; i < count; ++i) out[i] = reduce_over_ranks<T, Combine>(inputs.data(), ranks, i, average);
+  });
 }
 
 }  // namespace
 }  // namespace detail
 
-LocalGroup::LocalGroup(int size, std::chrono::milliseconds timeout) : size_(size), timeout_(timeout) {
+LocalGroup::LocalGroup(int size, std::chrono::milliseconds timeout, Device device, const detail::LocalCudaOps* cuda)
+    : size_(size), device_(device), cuda_(device.is_cuda() ? cuda : nullptr), timeout_(timeout) {
   SLIME_CHECK(size >= 1, "LocalComm group needs at least 1 rank, got ", size);
   SLIME_CHECK(timeout.count() > 0, "LocalComm timeout must be positive, got ", timeout.count(), " ms");
+  SLIME_CHECK(device.is_cpu() || cuda != nullptr, "LocalComm on ", device,
+              " needs the CUDA backend, but the group was created from code built without CUDA"
+              " (SLIME_HAS_CUDA is 0 there; link slime::cuda)");
+  SLIME_CHECK(device.is_cpu() || size <= kLocalCudaMaxRanks, "LocalComm on ", device, " holds at most ",
+              kLocalCudaMaxRanks, " ranks (the reduction kernel takes one pointer per rank), got ", size);
   slots_.resize(std::size_t(size));
   arrived_.assign(std::size_t(size), false);
   arrived_op_.assign(std::size_t(size), detail::LocalOp::barrier);
@@ -293,7 +258,7 @@ void LocalGroup::send(int src, int dst, detail::LocalMessage& msg) {
   }
 }
 
-void LocalGroup::recv(int src, int dst, void* data, Elems count, DType dtype) {
+void LocalGroup::recv(int src, int dst, void* data, Elems count, DType dtype, void* stream) {
   using State = detail::LocalMessage::State;
   std::unique_lock lock(mutex_);
   auto& box = mailbox(src, dst);
@@ -323,39 +288,95 @@ void LocalGroup::recv(int src, int dst, void* data, Elems count, DType dtype) {
   }
   msg->state = State::copying;
   lock.unlock();
-  if (count.n > 0) std::memcpy(data, msg->data, count.bytes(dtype));
+  std::string failure;
+  try {
+    if (count.n > 0) {
+      copy(data, msg->data, count.bytes(dtype), stream);
+      finish(stream);  // the sender reuses its buffer once it returns
+    }
+  } catch (const std::exception& e) {
+    failure = detail::concat("LocalComm recv on rank ", dst, " from rank ", src, " failed copying: ", e.what());
+  }
   lock.lock();
+  if (!failure.empty()) {
+    msg->error = failure;
+    msg->state = State::rejected;
+    cv_.notify_all();
+    throw Error(std::move(failure), __FILE__, __LINE__);
+  }
   msg->state = State::done;
   cv_.notify_all();
 }
 
+void LocalGroup::copy(void* dst, const void* src, std::size_t bytes, void* stream) const {
+  if (cuda_ != nullptr) {
+    cuda_->copy(device_.index, dst, src, bytes, stream);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
+void LocalGroup::finish(void* stream) const {
+  if (cuda_ != nullptr) cuda_->synchronize(device_.index, stream);
+}
+
 template <class Compute>
-void LocalComm::run_collective(detail::LocalSlot s, Compute&& compute) {
+void LocalComm::run_collective(detail::LocalSlot s, void* stream, Compute&& compute) {
   const detail::LocalOp op = s.op;
   auto& table = group_->slots_;
   table[std::size_t(rank_)] = std::move(s);
+  // Device work before a barrier: a failure leaves the peers waiting for a
+  // rank that will not arrive, so it aborts the group before propagating.
+  auto device_step = [&](auto&& step) {
+    try {
+      step();
+    } catch (const std::exception& e) {
+      group_->abort(detail::concat("rank ", rank_, " failed in ", detail::local_op_name(op), ": ", e.what()));
+      throw;
+    }
+  };
+  device_step([&] { group_->finish(stream); });  // the inputs are complete before a peer reads them
   group_->arrive_and_wait(rank_, op);
   const std::string disagreement = check_agreement(table);
-  if (disagreement.empty()) compute(std::span<const detail::LocalSlot>(table));
+  if (disagreement.empty()) {
+    device_step([&] {
+      compute(std::span<const detail::LocalSlot>(table));
+      group_->finish(stream);  // the peers' buffers are read before they return
+    });
+  }
   group_->arrive_and_wait(rank_, op);
   if (!disagreement.empty()) throw Error(disagreement, __FILE__, __LINE__);
 }
 
-std::vector<std::unique_ptr<LocalComm>> LocalComm::create_group(int n, std::chrono::milliseconds timeout) {
+std::vector<std::unique_ptr<LocalComm>> LocalComm::create_group_on(int n, std::chrono::milliseconds timeout,
+                                                                   Device device, const detail::LocalCudaOps* cuda) {
   SLIME_CHECK(n >= 1, "LocalComm::create_group needs n >= 1 ranks, got ", n);
-  auto group = std::make_shared<LocalGroup>(n, timeout);
+  auto group = std::make_shared<LocalGroup>(n, timeout, device, cuda);
   std::vector<std::unique_ptr<LocalComm>> comms;
   comms.reserve(std::size_t(n));
   for (int r = 0; r < n; ++r) comms.push_back(std::unique_ptr<LocalComm>(new LocalComm(group, r)));
   return comms;
 }
 
-LocalComm::~LocalComm() { group_->leave(rank_); }
+LocalComm::~LocalComm() {
+  // Every call ends with its work finished, so nothing still uses the scratch.
+  if (device_scratch_ != nullptr)
+    group_->cuda_->deallocate(group_->device_.index, device_scratch_, device_scratch_bytes_, nullptr);
+  group_->leave(rank_);
+}
 
-void LocalComm::do_all_gather(const void* send, void* recv, Elems per_rank, DType dtype, const Stream&) {
+void* LocalComm::stream_handle(const Stream& s, std::string_view what) const {
+  if (device().is_cpu()) return nullptr;
+  SLIME_CHECK(s.device().is_cpu() || s.device() == device(), "LocalComm ", what, " on ", device(),
+              ": the stream belongs to ", s.device());
+  return s.device().is_cuda() ? s.handle() : nullptr;
+}
+
+void LocalComm::do_all_gather(const void* send, void* recv, Elems per_rank, DType dtype, const Stream& s) {
   check_count(per_rank, "all_gather");
   check_buffer(send, per_rank, "all_gather input");
   check_buffer(recv, Elems(per_rank.n * size()), "all_gather output");
+  void* const stream = stream_handle(s, "all_gather");
   const std::size_t bytes = per_rank.bytes(dtype);
   char* out = static_cast<char*>(recv);
   // Peers read `send` while this rank writes `out`: stage an input that
@@ -364,68 +385,72 @@ void LocalComm::do_all_gather(const void* send, void* recv, Elems per_rank, DTyp
   const void* published = send;
   if (detail::bytes_overlap(send, bytes, out, bytes * std::size_t(size())) &&
       send != out + std::size_t(rank_) * bytes) {
-    published = stage(send, bytes);
+    published = stage(send, bytes, stream);
   }
   run_collective(
-      slot(detail::LocalOp::all_gather, dtype, per_rank.n, published, bytes, recv, bytes * std::size_t(size())),
+      slot(detail::LocalOp::all_gather, dtype, per_rank.n, published, bytes, recv, bytes * std::size_t(size())), stream,
       [&](std::span<const detail::LocalSlot> table) {
         for (int j = 0; j < size(); ++j) {
           char* dst = out + std::size_t(j) * bytes;
-          if (bytes > 0 && table[std::size_t(j)].send != dst) std::memcpy(dst, table[std::size_t(j)].send, bytes);
+          if (bytes > 0 && table[std::size_t(j)].send != dst)
+            group_->copy(dst, table[std::size_t(j)].send, bytes, stream);
         }
       });
 }
 
 void LocalComm::do_reduce_scatter(const void* send, void* recv, Elems per_rank, DType dtype, ReduceOp op,
-                                  const Stream&) {
+                                  const Stream& s) {
   check_count(per_rank, "reduce_scatter");
   check_buffer(send, Elems(per_rank.n * size()), "reduce_scatter input");
   check_buffer(recv, per_rank, "reduce_scatter output");
+  void* const stream = stream_handle(s, "reduce_scatter");
   const std::size_t bytes = per_rank.bytes(dtype);
-  void* result = scratch(bytes);
-  detail::LocalSlot s =
+  void* result = scratch(bytes, stream);
+  detail::LocalSlot mine =
       slot(detail::LocalOp::reduce_scatter, dtype, per_rank.n, send, bytes * std::size_t(size()), recv, bytes);
-  s.reduce = op;
-  run_collective(std::move(s), [&](std::span<const detail::LocalSlot> table) {
-    reduce(table, std::size_t(rank_) * bytes, result, per_rank, dtype, op);
+  mine.reduce = op;
+  run_collective(std::move(mine), stream, [&](std::span<const detail::LocalSlot> table) {
+    reduce(table, std::size_t(rank_) * bytes, result, per_rank, dtype, op, stream);
   });
-  if (bytes > 0) std::memcpy(recv, result, bytes);
+  copy_result(recv, result, bytes, stream);
 }
 
-void LocalComm::do_all_reduce(const void* send, void* recv, Elems count, DType dtype, ReduceOp op, const Stream&) {
+void LocalComm::do_all_reduce(const void* send, void* recv, Elems count, DType dtype, ReduceOp op, const Stream& s) {
   check_count(count, "all_reduce");
   check_buffer(send, count, "all_reduce input");
   check_buffer(recv, count, "all_reduce output");
+  void* const stream = stream_handle(s, "all_reduce");
   const std::size_t bytes = count.bytes(dtype);
-  void* result = scratch(bytes);
+  void* result = scratch(bytes, stream);
   // The output is written only after the second barrier: in place, it is
   // what the peers read.
-  detail::LocalSlot s = slot(detail::LocalOp::all_reduce, dtype, count.n, send, bytes, recv, bytes);
-  s.reduce = op;
-  run_collective(std::move(s),
-                 [&](std::span<const detail::LocalSlot> table) { reduce(table, 0, result, count, dtype, op); });
-  if (bytes > 0) std::memcpy(recv, result, bytes);
+  detail::LocalSlot mine = slot(detail::LocalOp::all_reduce, dtype, count.n, send, bytes, recv, bytes);
+  mine.reduce = op;
+  run_collective(std::move(mine), stream,
+                 [&](std::span<const detail::LocalSlot> table) { reduce(table, 0, result, count, dtype, op, stream); });
+  copy_result(recv, result, bytes, stream);
 }
 
-void LocalComm::do_all_to_all(const void* send, void* recv, Elems per_rank, DType dtype, const Stream&) {
+void LocalComm::do_all_to_all(const void* send, void* recv, Elems per_rank, DType dtype, const Stream& s) {
   check_count(per_rank, "all_to_all");
   check_buffer(send, Elems(per_rank.n * size()), "all_to_all input");
   check_buffer(recv, Elems(per_rank.n * size()), "all_to_all output");
+  void* const stream = stream_handle(s, "all_to_all");
   const std::size_t bytes = per_rank.bytes(dtype), total = bytes * std::size_t(size());
-  const void* published = detail::bytes_overlap(send, total, recv, total) ? stage(send, total) : send;
+  const void* published = detail::bytes_overlap(send, total, recv, total) ? stage(send, total, stream) : send;
   char* out = static_cast<char*>(recv);
-  run_collective(slot(detail::LocalOp::all_to_all, dtype, per_rank.n, published, total, recv, total),
+  run_collective(slot(detail::LocalOp::all_to_all, dtype, per_rank.n, published, total, recv, total), stream,
                  [&](std::span<const detail::LocalSlot> table) {
                    if (bytes == 0) return;
                    for (int j = 0; j < size(); ++j) {
                      const char* src = static_cast<const char*>(table[std::size_t(j)].send);
-                     std::memcpy(out + std::size_t(j) * bytes, src + std::size_t(rank_) * bytes, bytes);
+                     group_->copy(out + std::size_t(j) * bytes, src + std::size_t(rank_) * bytes, bytes, stream);
                    }
                  });
 }
 
 void LocalComm::do_all_to_all_v(const void* send, std::span<const Elems> send_counts, void* recv,
-                                std::span<const Elems> recv_counts, DType dtype, const Stream&) {
+                                std::span<const Elems> recv_counts, DType dtype, const Stream& s) {
   SLIME_CHECK(int(send_counts.size()) == size() && int(recv_counts.size()) == size(),
               "LocalComm all_to_all_v: ", send_counts.size(), " send and ", recv_counts.size(), " recv counts for ",
               size(), " ranks");
@@ -440,44 +465,49 @@ void LocalComm::do_all_to_all_v(const void* send, std::span<const Elems> send_co
   }
   check_buffer(send, Elems(send_total), "all_to_all_v input");
   check_buffer(recv, Elems(recv_total), "all_to_all_v output");
+  void* const stream = stream_handle(s, "all_to_all_v");
   const std::size_t send_bytes = Elems(send_total).bytes(dtype), recv_bytes = Elems(recv_total).bytes(dtype);
-  const void* published = detail::bytes_overlap(send, send_bytes, recv, recv_bytes) ? stage(send, send_bytes) : send;
-  detail::LocalSlot s = slot(detail::LocalOp::all_to_all_v, dtype, 0, published, send_bytes, recv, recv_bytes);
-  s.send_counts = send_counts;
-  s.recv_counts = recv_counts;
+  const void* published =
+      detail::bytes_overlap(send, send_bytes, recv, recv_bytes) ? stage(send, send_bytes, stream) : send;
+  detail::LocalSlot mine = slot(detail::LocalOp::all_to_all_v, dtype, 0, published, send_bytes, recv, recv_bytes);
+  mine.send_counts = send_counts;
+  mine.recv_counts = recv_counts;
   char* out = static_cast<char*>(recv);
-  run_collective(std::move(s), [&](std::span<const detail::LocalSlot> table) {
+  run_collective(std::move(mine), stream, [&](std::span<const detail::LocalSlot> table) {
     // Rank j's chunk for this rank starts after what j sends to ranks < rank_.
     for (int j = 0; j < size(); ++j) {
       const detail::LocalSlot& peer = table[std::size_t(j)];
       int64_t offset = 0;
       for (int k = 0; k < rank_; ++k) offset += peer.send_counts[std::size_t(k)].n;
       const std::size_t bytes = recv_counts[std::size_t(j)].bytes(dtype);
-      if (bytes > 0) std::memcpy(out, static_cast<const char*>(peer.send) + Elems(offset).bytes(dtype), bytes);
+      if (bytes > 0) group_->copy(out, static_cast<const char*>(peer.send) + Elems(offset).bytes(dtype), bytes, stream);
       out += bytes;
     }
   });
 }
 
-void LocalComm::do_broadcast(void* buffer, Elems count, DType dtype, int root, const Stream&) {
+void LocalComm::do_broadcast(void* buffer, Elems count, DType dtype, int root, const Stream& s) {
   check_count(count, "broadcast");
   check_buffer(buffer, count, "broadcast buffer");
   check_peer(root, "LocalComm broadcast root");
+  void* const stream = stream_handle(s, "broadcast");
   const std::size_t bytes = count.bytes(dtype);
   const bool is_root = rank_ == root;
-  detail::LocalSlot s = is_root ? slot(detail::LocalOp::broadcast, dtype, count.n, buffer, bytes, nullptr, 0)
-                                : slot(detail::LocalOp::broadcast, dtype, count.n, nullptr, 0, buffer, bytes);
-  s.root = root;
-  run_collective(std::move(s), [&](std::span<const detail::LocalSlot> table) {
-    if (!is_root && bytes > 0) std::memcpy(buffer, table[std::size_t(root)].send, bytes);
+  detail::LocalSlot mine = is_root ? slot(detail::LocalOp::broadcast, dtype, count.n, buffer, bytes, nullptr, 0)
+                                   : slot(detail::LocalOp::broadcast, dtype, count.n, nullptr, 0, buffer, bytes);
+  mine.root = root;
+  run_collective(std::move(mine), stream, [&](std::span<const detail::LocalSlot> table) {
+    if (!is_root && bytes > 0) group_->copy(buffer, table[std::size_t(root)].send, bytes, stream);
   });
 }
 
-void LocalComm::do_send(const void* buffer, Elems count, DType dtype, int peer, const Stream&) {
+void LocalComm::do_send(const void* buffer, Elems count, DType dtype, int peer, const Stream& s) {
   check_count(count, "send");
   check_buffer(buffer, count, "send buffer");
   check_peer(peer, "LocalComm send peer");
   SLIME_CHECK(peer != rank_, "LocalComm send from rank ", rank_, " to itself would wait forever for its own recv");
+  void* const stream = stream_handle(s, "send");
+  group_->finish(stream);  // the data is complete before the receiver copies it
   detail::LocalMessage msg;
   msg.data = buffer;
   msg.count = count;
@@ -485,12 +515,12 @@ void LocalComm::do_send(const void* buffer, Elems count, DType dtype, int peer, 
   group_->send(rank_, peer, msg);
 }
 
-void LocalComm::do_recv(void* buffer, Elems count, DType dtype, int peer, const Stream&) {
+void LocalComm::do_recv(void* buffer, Elems count, DType dtype, int peer, const Stream& s) {
   check_count(count, "recv");
   check_buffer(buffer, count, "recv buffer");
   check_peer(peer, "LocalComm recv peer");
   SLIME_CHECK(peer != rank_, "LocalComm recv on rank ", rank_, " from itself would wait forever for its own send");
-  group_->recv(peer, rank_, buffer, count, dtype);
+  group_->recv(peer, rank_, buffer, count, dtype, stream_handle(s, "recv"));
 }
 
 std::unique_ptr<Comm> LocalComm::do_split(int color, int key) {
@@ -514,7 +544,7 @@ std::unique_ptr<Comm> LocalComm::do_split(int color, int key) {
   if (creator == rank_) {
     // Allocation failure here would leave the peers waiting: abort them.
     try {
-      auto child = std::make_shared<LocalGroup>(int(members.size()), group_->timeout());
+      auto child = std::make_shared<LocalGroup>(int(members.size()), group_->timeout(), group_->device_, group_->cuda_);
       group_->adopt_child(child);
       table[std::size_t(rank_)].created = std::move(child);
     } catch (const std::exception& e) {
@@ -553,22 +583,46 @@ detail::LocalSlot LocalComm::slot(detail::LocalOp op, DType dtype, int64_t count
   return s;
 }
 
-void* LocalComm::scratch(std::size_t bytes) {
-  if (scratch_.size() < bytes) scratch_.resize(bytes);
-  return scratch_.data();
+void* LocalComm::scratch(std::size_t bytes, void* stream) {
+  const detail::LocalCudaOps* cuda = group_->cuda_;
+  if (cuda == nullptr) {
+    if (scratch_.size() < bytes) scratch_.resize(bytes);
+    return scratch_.data();
+  }
+  if (device_scratch_bytes_ < bytes) {
+    // Released first (the last call's work on it has finished); nothing
+    // dangles if the allocation throws.
+    const int device = group_->device_.index;
+    if (device_scratch_ != nullptr) cuda->deallocate(device, device_scratch_, device_scratch_bytes_, stream);
+    device_scratch_ = nullptr;
+    device_scratch_bytes_ = 0;
+    device_scratch_ = cuda->allocate(device, bytes, stream);
+    device_scratch_bytes_ = bytes;
+  }
+  return device_scratch_;
 }
 
-const void* LocalComm::stage(const void* src, std::size_t bytes) {
-  void* p = scratch(bytes);
-  if (bytes > 0) std::memcpy(p, src, bytes);
+const void* LocalComm::stage(const void* src, std::size_t bytes, void* stream) {
+  void* p = scratch(bytes, stream);
+  if (bytes > 0) group_->copy(p, src, bytes, stream);
   return p;
 }
 
+void LocalComm::copy_result(void* out, const void* result, std::size_t bytes, void* stream) {
+  if (bytes == 0) return;
+  group_->copy(out, result, bytes, stream);
+  group_->finish(stream);
+}
+
 void LocalComm::reduce(std::span<const detail::LocalSlot> table, std::size_t byte_offset, void* out, Elems count,
-                       DType dtype, ReduceOp op) {
+                       DType dtype, ReduceOp op, void* stream) {
   if (count.n == 0) return;
   inputs_.clear();
   for (const detail::LocalSlot& s : table) inputs_.push_back(static_cast<const char*>(s.send) + byte_offset);
+  if (const detail::LocalCudaOps* cuda = group_->cuda_) {
+    cuda->reduce(group_->device_.index, inputs_.data(), size(), out, count.n, dtype, op, stream);
+    return;
+  }
   visit_dtype(dtype, [&](auto tag) {
     detail::reduce_in_rank_order<decltype(tag)>(std::span<const void* const>(inputs_), out, count.n, op);
   });

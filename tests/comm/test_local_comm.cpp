@@ -792,6 +792,33 @@ TEST_CASE("CUDA tensors are rejected", "[comm][local_comm]") {
   CHECK_THROWS_WITH(comms[0]->all_reduce(t), ContainsSubstring("but this local communicator works on cpu"));
 }
 
+TEST_CASE("a CUDA group needs CUDA and the device, the CPU stays the default", "[comm][local_comm]") {
+  // A table of CUDA functions is what a CUDA group runs on; without one
+  // (code built without CUDA) the group is refused, whatever the build.
+  CHECK_THROWS_WITH(LocalGroup(2, kTestTimeout, Device::cuda(0), nullptr),
+                    ContainsSubstring("LocalComm on cuda:0 needs the CUDA backend"));
+  if (!built_with_cuda()) {
+    CHECK_THROWS_WITH(LocalComm::create_group(2, kTestTimeout, Device::cuda(0)),
+                      ContainsSubstring("device cuda:0 requested but slime was built without CUDA"));
+    CHECK_THROWS_WITH(run_local_ranks(
+                          2, [](Comm&) {}, kTestTimeout, Device::cuda(0)),
+                      ContainsSubstring("built without CUDA"));
+  } else if (cuda_device_count() == 0) {
+    CHECK_THROWS_WITH(LocalComm::create_group(2, kTestTimeout, Device::cuda(0)),
+                      ContainsSubstring("device cuda:0 does not exist"));
+  }
+  // The device argument, spelled out, and what split() hands down.
+  std::vector<Device> devices(4, Device::cuda(0));
+  run_local_ranks(
+      4,
+      [&](Comm& comm) {
+        std::unique_ptr<Comm> sub = comm.split(comm.rank() % 2, 0);
+        devices[std::size_t(comm.rank())] = sub->device();
+      },
+      kTestTimeout, Device::cpu());
+  for (Device d : devices) CHECK(d == Device::cpu());
+}
+
 TEST_CASE("a rank that never calls: timeout names it on every waiting rank", "[comm][local_comm]") {
   const int world = GENERATE(3, 4);
   CAPTURE(world);
