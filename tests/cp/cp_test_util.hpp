@@ -166,7 +166,7 @@ inline OpResult run_attention_op(const OpShape& shape, int u, int r, parallel::R
         res.padding_grad = std::max(res.padding_grad, mine.padding_grad);
         res.rows_checked += mine.rows_checked;
       },
-      comm::kLocalCommTimeout);
+      comm::kLocalCommTimeout, dev);
   REQUIRE(res.rows_checked == T);  // every real row checked once
   // Relative to the largest magnitude of each reference tensor.
   const auto peak = [](const std::vector<float>& x) {
@@ -283,7 +283,7 @@ inline ModelRun cp_run(const nn::Qwen3Config& c, const std::vector<std::vector<i
           out.grads = grads;
         }
       },
-      comm::kLocalCommTimeout);
+      comm::kLocalCommTimeout, dev);
   return out;
 }
 
