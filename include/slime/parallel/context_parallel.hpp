@@ -300,7 +300,8 @@ class ContextParallel final : public nn::SequenceAttention {
   // ---- nn::SequenceAttention ----------------------------------------------
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, const nn::PackedBatch& batch, const Tensor& o,
-               nn::SequenceAttention::Saved& saved, const Stream& stream) override {
+               nn::SequenceAttention::Saved& saved, const Stream& given) override {
+    const Stream stream = on_device(given);
     const std::shared_ptr<const State> st = checked_state();
     check_batch(*st, q, k, batch);
     const Tensor qh = to_heads(*st, q, stream), kh = to_heads(*st, k, stream), vh = to_heads(*st, v, stream);
@@ -323,7 +324,8 @@ class ContextParallel final : public nn::SequenceAttention {
   }
 
   void backward(const nn::SequenceAttention::Saved& saved, const Tensor& d_o, const Tensor& dq, const Tensor& dk,
-                const Tensor& dv, const Stream& stream) override {
+                const Tensor& dv, const Stream& given) override {
+    const Stream stream = on_device(given);
     const auto st = std::static_pointer_cast<const State>(saved.state);
     SLIME_CHECK(st != nullptr && saved.tensors.size() == 5,
                 "ContextParallel::backward: the saved state is not from ContextParallel::forward");
@@ -371,6 +373,11 @@ class ContextParallel final : public nn::SequenceAttention {
     Tensor natural_inverse;  // the inverse
     RingBlock first, second;
   };
+
+  // The stream work runs on: `s`, or the device's default stream when `s`
+  // belongs elsewhere (e.g. the CPU's Stream{} for CUDA tensors), so that the
+  // ring's events order the right queue.
+  Stream on_device(const Stream& s) const { return s.device() == device() ? s : Stream::default_for(device()); }
 
   std::shared_ptr<const State> checked_state() const {
     SLIME_CHECK(state_ != nullptr, "ContextParallel: no batch planned (call plan() before the forward)");
