@@ -224,8 +224,13 @@ class Trainer {
     schedule_ = o.lr_schedule == "cosine"   ? optim::LrSchedule::cosine(o.lr, o.warmup_steps, o.steps, o.min_lr)
                 : o.lr_schedule == "warmup" ? optim::LrSchedule::linear_warmup(o.lr, std::max(o.warmup_steps, 1))
                                             : optim::LrSchedule::constant(o.lr);
-    // A micro-batch of the whole cp group: each rank holds 1/cp of its tokens.
-    packer_.emplace(data::PackConfig{.dp_size = 1, .max_tokens_per_gpu = o.max_tokens_per_gpu * o.cp});
+    // --cp: a micro-batch of the whole cp group (each rank holds 1/cp of its
+    // tokens), each sample padded to the layout's multiple (its zigzag chunks
+    // and Ulysses parts; the padding is outside the loss).
+    packer_.emplace(data::PackConfig{
+        .dp_size = 1,
+        .max_tokens_per_gpu = o.max_tokens_per_gpu * o.cp,
+        .pad_sequence_to = o.cp > 1 ? int(parallel::CpPlan::multiple(o.ulysses, o.cp / o.ulysses)) : 1});
   }
 
   // Runs the steps; rank 0 logs. Returns the per-step reports (every rank).
@@ -461,10 +466,7 @@ class Trainer {
       x.rollout_log_probs = c.logprobs;
       x.reward = r.rewards[s];
       x.group_index = int64_t(s / n);
-      // --cp pads each sample to a multiple of the layout's chunks: the
-      // budget counts the padded length.
-      const int64_t m = parallel::CpPlan::multiple(o_.ulysses, o_.cp / o_.ulysses);
-      lengths.push_back(o_.cp > 1 ? (x.length() + m - 1) / m * m : x.length());
+      lengths.push_back(x.length());
     }
     const data::PackConfig& pc = packer_->config();
     const int count = data::agree_micro_batch_count(comm_, data::local_micro_batch_count(pc, lengths));
