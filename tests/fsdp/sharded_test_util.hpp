@@ -1,6 +1,7 @@
 // tests/fsdp/sharded_test_util.hpp: what the CPU FSDP tests share
-// (test_sharded.cpp, test_sharded_ep.cpp): the per-rank micro-batches, the
-// parameters by name and their relative difference, and an error's message.
+// (test_sharded.cpp, test_sharded_ep.cpp, tests/cp/test_sharded_cp.cpp): the
+// per-rank micro-batches, the parameters by name (gathered from a Sharded
+// model too) and their relative difference, and an error's message.
 #pragma once
 
 #include <catch2/catch_test_macros.hpp>
@@ -8,16 +9,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "slime/comm/mesh.hpp"
 #include "slime/core/tensor.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/optim/adamw.hpp"
 #include "slime/optim/grad_clip.hpp"
+#include "thread_checks.hpp"
 
 namespace slime_test::fsdp {
 
@@ -125,6 +130,41 @@ inline Params parameters_of(slime::nn::Qwen3Model& model) {
   Params out;
   model.for_each_parameter([&](slime::nn::Parameter& p) { out[p.name] = p.value.to_vector<float>(); });
   return out;
+}
+
+// What gather_full reads of a Sharded model.
+enum class Gathered { values, gradients };
+
+// Every parameter's value (or reduced gradient) of a Sharded model on `mesh`
+// gathered into `out` (under `mutex`), each expert stack of `experts`
+// experts reassembled from the ep ranks' slices. Collective: every rank calls
+// it; world rank 0 writes the dense parameters and the first rank of each ep
+// slice's group its slice.
+template <class ShardedModel>
+void gather_full(ShardedModel& sh, const slime::comm::Mesh& mesh, int64_t experts, Params& out, std::mutex& mutex,
+                 Gathered what = Gathered::values) {
+  using slime::comm::Axis;
+  const bool first_of_slice =
+      mesh.coord(Axis::dp_replicate) == 0 && mesh.coord(Axis::dp_shard) == 0 && mesh.coord(Axis::cp) == 0;
+  const int64_t ep = mesh.size(Axis::ep);
+  for (const std::string& name : sh.parameter_names()) {
+    // Collective: every rank.
+    const slime::Tensor t = what == Gathered::values ? sh.gather_parameter(name) : sh.gather_gradient(name);
+    const std::vector<float> v = t.template to_vector<float>();
+    if (sh.is_expert_parameter(name)) {
+      const int64_t local = experts / ep, per = t.numel() / local;
+      TCHECK(t.size(0) == local);
+      TCHECK(sh.parameter_first_expert(name) == mesh.coord(Axis::ep) * local);
+      if (!first_of_slice) continue;
+      std::lock_guard lock(mutex);
+      std::vector<float>& full = out[name];
+      full.resize(std::size_t(experts * per));
+      std::memcpy(full.data() + sh.parameter_first_expert(name) * per, v.data(), v.size() * sizeof(float));
+    } else if (mesh.world().rank() == 0) {
+      std::lock_guard lock(mutex);
+      out[name] = v;
+    }
+  }
 }
 
 }  // namespace slime_test::fsdp

@@ -565,13 +565,18 @@ TEST_CASE("Sharded: bad input gives clear errors", "[fsdp]") {
     comm::Mesh mesh(world, comm::MeshShape{.dp_replicate = 2, .dp_shard = 2});
     hybrid_needed[r] = error_of([&] { Sharded<nn::Qwen3Model, FullShard>(make_model(tiny_config(false)), mesh); });
     noshard_2d[r] = error_of([&] { Sharded<nn::Qwen3Model, NoShard>(make_model(tiny_config(false)), mesh); });
+    // cp composes (tests/cp/test_sharded_cp.cpp), but not without the model's sequence attention.
     comm::Mesh cp(world, comm::MeshShape{.dp_shard = 2, .cp = 2});
-    with_cp[r] = error_of([&] { Sharded<nn::Qwen3Model, HybridShard>(make_model(tiny_config(false)), cp); });
+    Sharded<nn::Qwen3Model, HybridShard> on_cp(make_model(tiny_config(false)), cp);
+    with_cp[r] = error_of([&] {
+      nn::Qwen3Model::Context ctx;
+      on_cp.forward(micro_batch(0, 0, 0, 37).batch, ctx);
+    });
   });
   for (int r = 0; r < 4; ++r) {
     INFO("rank " << r);
     CHECK_THAT(hybrid_needed[std::size_t(r)], ContainsSubstring("use HybridShard"));
     CHECK_THAT(noshard_2d[std::size_t(r)], ContainsSubstring("replicates over one axis"));
-    CHECK_THAT(with_cp[std::size_t(r)], ContainsSubstring("cp = 2"));
+    CHECK_THAT(with_cp[std::size_t(r)], ContainsSubstring("cp = 2 but the module has no sequence attention"));
   }
 }

@@ -185,24 +185,7 @@ Params sharded_run(const RunConfig& rc, std::vector<double>* norms = nullptr) {
       const std::optional<double> n = sh.optimizer_step(kLr, rc.max_grad_norm);
       if (n && norms && world.rank() == 0) norms->push_back(*n);
     }
-    const bool first_dp = mesh.coord(comm::Axis::dp_replicate) == 0 && mesh.coord(comm::Axis::dp_shard) == 0;
-    for (const std::string& name : sh.parameter_names()) {
-      const Tensor t = sh.gather_parameter(name);  // collective: every rank
-      const std::vector<float> v = t.to_vector<float>();
-      if (sh.is_expert_parameter(name)) {
-        const int64_t local = kExperts / nep, per = t.numel() / local;
-        TCHECK(t.size(0) == local);
-        TCHECK(sh.parameter_first_expert(name) == mesh.coord(comm::Axis::ep) * local);
-        if (!first_dp) continue;
-        std::lock_guard lock(mutex);
-        std::vector<float>& full = out[name];
-        full.resize(std::size_t(kExperts * per));
-        std::memcpy(full.data() + sh.parameter_first_expert(name) * per, v.data(), v.size() * sizeof(float));
-      } else if (world.rank() == 0) {
-        std::lock_guard lock(mutex);
-        out[name] = v;
-      }
-    }
+    slime_test::fsdp::gather_full(sh, mesh, kExperts, out, mutex);
   });
   thread_checks().require_none();
   return out;
@@ -253,9 +236,12 @@ TEST_CASE("Sharded with ExpertParallel: avg reduction and grad-norm clipping", "
   RunConfig rc;
   rc.world = 4;
   rc.mesh = comm::MeshShape{.dp_replicate = 1, .dp_shard = 2, .cp = 1, .ep = 2};
-  {
-    INFO("avg: every gradient divided by the 4 data-parallel ranks");
+  for (const int dp : {1, 2}) {
+    // dp 1: the expert units have groups of one rank, and still their 1 / ep.
+    INFO("avg: every gradient divided by the " << 2 * dp << " data-parallel ranks (dp " << dp << " x ep 2)");
     RunConfig a = rc;
+    a.world = 2 * dp;
+    a.mesh.dp_shard = dp;
     a.options.gradient_reduce = comm::ReduceOp::avg;
     CHECK(max_rel_diff(sharded_run<FullShard>(a), reference_run(a)) <= 1e-6);
   }
@@ -385,7 +371,6 @@ AuxResult aux_sharded(const comm::MeshShape& shape, int world, comm::ReduceOp re
     parallel::ShardedOptions opt;
     opt.gradient_reduce = reduce;
     Sharded<nn::Qwen3Model, S> sh(aux_model(&ep), mesh, opt);
-    const int nep = mesh.size(comm::Axis::ep);
     sh.zero_grad();
     double norm = double(global_tokens(world, 0));
     if (reduce == comm::ReduceOp::avg) norm /= world;
@@ -402,21 +387,7 @@ AuxResult aux_sharded(const comm::MeshShape& shape, int world, comm::ReduceOp re
         out.loss += kAuxCoef * r.aux_loss;
       }
     }
-    const bool first_dp = mesh.coord(comm::Axis::dp_replicate) == 0 && mesh.coord(comm::Axis::dp_shard) == 0;
-    for (const std::string& name : sh.parameter_names()) {
-      const std::vector<float> v = sh.gather_gradient(name).template to_vector<float>();  // collective
-      if (sh.is_expert_parameter(name)) {
-        if (!first_dp) continue;
-        const int64_t local = kExperts / nep, per = int64_t(v.size()) / local;
-        std::lock_guard lock(mutex);
-        std::vector<float>& full = out.grads[name];
-        full.resize(std::size_t(kExperts * per));
-        std::memcpy(full.data() + sh.parameter_first_expert(name) * per, v.data(), v.size() * sizeof(float));
-      } else if (w.rank() == 0) {
-        std::lock_guard lock(mutex);
-        out.grads[name] = v;
-      }
-    }
+    slime_test::fsdp::gather_full(sh, mesh, kExperts, out.grads, mutex, slime_test::fsdp::Gathered::gradients);
   });
   thread_checks().require_none();
   return out;

@@ -28,14 +28,14 @@
 namespace slime::parallel {
 
 // Which data-parallel group a unit shards over (nn::UnitKind):
-//   dense:  every rank holding the same copy of the parameters: with expert
-//           parallelism (a Mesh with ep > 1) the flattened dp_shard x ep
-//           group, since every ep rank holds the same dense parameters.
+//   dense:  every rank holding the same copy of the parameters: on a Mesh
+//           with cp or ep > 1 the flattened dp_shard x cp x ep group, since
+//           every cp and ep rank holds the same dense parameters.
 //   expert: expert weights split over ep_degree > 1 ranks: the unit shards
-//           over the data-parallel ranks holding the same slice (the mesh's
-//           dp_shard axis) and its gradients reduce over those only (the
-//           expert's gradient on its ep rank already covers the tokens every
-//           ep rank routed to it, through the block's all_to_all).
+//           over the ranks holding the same slice (the mesh's dp_shard x cp)
+//           and its gradients reduce over those only (the expert's gradient
+//           on its ep rank already covers the tokens every ep rank routed to
+//           it, through the block's all_to_all).
 using ShardGroup = nn::UnitKind;
 
 struct FlatParamGroup {
@@ -47,7 +47,7 @@ struct FlatParamGroup {
   bool aliased = false;             // gathered buffer = compute shard (shard group of one)
   bool direct_grads = false;        // gradients accumulate straight into the grad shard
   bool separate_compute = false;    // compute shard distinct from the master shard
-  float grad_scale = 1.f;           // applied after the reduction (expert units with avg: 1 / ep)
+  float grad_scale = 1.f;           // applied after the reduction (avg: cp, or cp / ep for expert units)
   Device device;                    // where the compute shard, gathered buffer and gradients live
   DType compute_dtype = DType::f32;
   FlatShardLayout layout;

@@ -68,30 +68,53 @@
 // GradientSync::every_micro_batch reduces in every backward (less memory,
 // more communication).
 //
-// Composition with ExpertParallel: on a Mesh with ep > 1 (the model built
-// with an ExpertParallel over the mesh's ep axis), every rank holds the same
-// dense parameters and its ep slice of the experts. The model's units() mark
-// the expert stacks of each sparse layer as a unit of their own
+// Composition on a comm::Mesh (axes dp_replicate, dp_shard, cp, ep, from
+// the outermost). Expert parallelism (ep > 1, the model built with an
+// ExpertParallel over the mesh's ep axis): every rank holds the same dense
+// parameters and its ep slice of the experts; the model's units() mark the
+// expert stacks of each sparse layer as a unit of their own
 // (nn::UnitKind::expert, see nn/units.hpp: a layer is then two units, its
-// dense one and its expert one, each with its own flat buffers). Dense units
-// shard over the flattened dp_shard x ep group (Mesh::flatten; gradients
-// reduce over every rank); expert units over dp_shard only (the ranks holding
-// the same slice; gradients reduce over those: under EP the all_to_all inside
-// the block already brings every ep rank's tokens to the expert, so with the
-// split-invariant global normaliser and gradient_reduce = sum the result is
-// the unsharded gradient). HybridShard replicates both over dp_replicate;
-// NoShard replicates dense units over dp x ep and expert units over dp. With
-// gradient_reduce = avg, expert gradients are also divided by ep (the avg
-// over the expert group divides by dp only), so both kinds are divided by
-// the number of data-parallel ranks. The grad norm adds the expert shards
-// over dp_shard x ep (every expert element lives on one rank there).
+// dense one and its expert one, each with its own flat buffers). Context
+// parallelism (cp > 1, the model's sequence attention a ContextParallel over
+// the mesh's cp axis, set on the module before wrapping or through module()
+// before the first forward; a forward without one is an error): the cp ranks
+// of a data-parallel rank share its batch, each holding its plan's rows
+// (parallel/context_parallel.hpp), hold the same parameters and compute the
+// gradients of their own tokens, so cp is one more axis that gradients sum
+// over. The groups (Mesh::flatten, rank order the mesh's):
+//   dense units    shard over dp_shard x cp x ep (gradients reduce over every rank)
+//   expert units   shard over dp_shard x cp, the ranks holding the same slice
+//                  (under EP the all_to_all inside the block already brings
+//                  every ep rank's tokens to the expert)
+//   HybridShard    replicates both over dp_replicate
+//   NoShard        replicates dense units over dp x cp x ep and expert units
+//                  over dp x cp (dp: the one data-parallel axis that is not 1)
+// With the split-invariant global normaliser (every rank's loss divided by
+// the token count of the whole step: all data-parallel ranks' batches, of
+// which each cp rank holds its rows; padding rows of weight 0) and
+// gradient_reduce = sum the reduced gradient is the unsharded gradient of
+// the concatenated batch. This is the setting to use with cp.
+// gradient_reduce = avg divides every gradient by the number of
+// data-parallel ranks, dp_replicate x dp_shard x ep: every rank of those has
+// a batch of its own, while the ranks of a cp group hold partial sums of one
+// batch's loss, which add up (so dense gradients are scaled by cp after
+// their reduction, expert ones by cp / ep: the avg over their groups divides
+// by dp x cp and dp x cp x ep). Under avg a rank's normaliser is its
+// data-parallel rank's own batch's token count (on every cp rank: the whole
+// batch's, not its rows'), and the step minimises the mean over
+// data-parallel ranks of their batches' mean losses. aux_loss_and_grad's
+// statistics are all-reduced over the dense shard and replicate groups,
+// which together are every rank: each token counts once (with cp, padding
+// rows count too: context_parallel.hpp). The grad norm adds the expert shards
+// over dp_shard x cp x ep (every expert element lives on one rank there).
 // Checkpoint access sees an expert stack as this ep rank's slice: its shape
 // is [E_local, ...] (the module's parameter), gather_parameter gathers over
-// dp_shard and returns the slice, load_parameter takes the slice, and
-// parameter_first_expert(name) / LocalShard::first_expert give the global
-// index of its first expert (the HF names: nn::Parameter::expert_name).
-// Without expert parallelism (or ep = 1) Qwen3-MoE models shard like dense
-// ones (the stacked expert weights are parameters of their layer's unit).
+// the expert group and returns the slice, load_parameter takes the slice,
+// and parameter_first_expert(name) / LocalShard::first_expert give the
+// global index of its first expert (the HF names:
+// nn::Parameter::expert_name). Without expert parallelism (or ep = 1)
+// Qwen3-MoE models shard like dense ones (the stacked expert weights are
+// parameters of their layer's unit).
 //
 // CPU offload (ShardedOptions::cpu_offload): the master shards live in pinned
 // host memory and the AdamW moments in (pageable) host memory: they never
@@ -221,10 +244,11 @@ class Sharded {
   // On a mesh: HybridShard shards over dp_shard and replicates over
   // dp_replicate; FullShard / ShardGradOp shard over dp_shard (dp_replicate
   // must be 1: use HybridShard); NoShard replicates over the one of the two
-  // axes that is not 1. With ep > 1 (the model's ExpertParallel over the ep
-  // axis) dense units take that data-parallel axis times ep and expert units
-  // the data-parallel axis alone (see the top of this file). Collective over
-  // the mesh's world when ep > 1 (it flattens dp x ep). cp must be 1.
+  // axes that is not 1. That data-parallel axis is taken times cp x ep by
+  // dense units and times cp by expert units (ExpertParallel over the ep
+  // axis, ContextParallel over the cp axis: see the top of this file).
+  // Collective over the mesh's world when cp > 1 or ep > 1 (it flattens
+  // those groups).
   Sharded(Module module, const comm::Mesh& mesh, ShardedOptions options = {}, OptimizerConfig optimizer = {})
       : Sharded(std::move(module), mesh_groups(mesh), options, optimizer) {}
 
@@ -252,6 +276,8 @@ class Sharded {
   // Ranks a (dense) parameter is split over, and ranks it is replicated over.
   int shard_world() const { return shard_comm_ ? shard_comm_->size() : 1; }
   int replicate_world() const { return replicate_comm_ ? replicate_comm_->size() : 1; }
+  // The mesh's cp degree, included in both groups (1 without a mesh).
+  int cp_world() const { return cp_; }
   int shard_rank() const { return shard_comm_ ? shard_comm_->rank() : 0; }
   // The same for expert parameters (expert units; the dense values without them).
   int expert_shard_world() const { return expert_shard_comm_ ? expert_shard_comm_->size() : 1; }
@@ -328,6 +354,10 @@ class Sharded {
   template <class Input>
   Tensor forward(const Input& input, Context& ctx, const Stream& stream = {}) {
     check_onloaded("forward");
+    if constexpr (requires(const Module& m) { m.sequence_attention(); })
+      SLIME_CHECK(cp_ == 1 || module_->sequence_attention() != nullptr, "Sharded::forward: the mesh has cp = ", cp_,
+                  " but the module has no sequence attention; set a parallel::ContextParallel over the mesh's cp ",
+                  "axis (module().set_sequence_attention) and give each cp rank its plan's rows of the batch");
     const Stream s = compute_stream(stream);
     Hooks hooks{*this, s};
     return module_->forward(input, ctx, s, hooks);
@@ -355,10 +385,11 @@ class Sharded {
   // parameter is read), for backward(ctx, d, stream, aux). The loss is the
   // one of the whole data-parallel batch (the statistics of every rank's
   // tokens are all-reduced over the dense shard and replicate groups, which
-  // together hold every token once), so with gradient_reduce = sum the
-  // reduced gradients are the unsharded model's; with avg the scale is
-  // multiplied by the data-parallel ranks to undo the division. One rank:
-  // the module's own call, bit for bit.
+  // together are every rank of the mesh, cp and ep included, and so hold
+  // every token once), so with gradient_reduce = sum the reduced gradients
+  // are the unsharded model's; with avg the scale is multiplied by the
+  // data-parallel ranks (cp not counted, see the top of this file) to undo
+  // the division. One rank: the module's own call, bit for bit.
   nn::AuxLoss aux_loss_and_grad(const Context& ctx, std::optional<double> scale = std::nullopt,
                                 const Stream& stream = {}) requires requires(const Module& m) {
     m.aux_loss_and_grad(ctx, scale, stream, nn::AuxStatsReduce{});
@@ -370,14 +401,15 @@ class Sharded {
     const int ranks = shard_world() * replicate_world();
     if (ranks == 1) return module_->aux_loss_and_grad(ctx, scale, s);
     const bool avg = options_.gradient_reduce == comm::ReduceOp::avg;
-    if (avg) scale = scale.value_or(module_->config().router_aux_loss_coef) * double(ranks);
+    const int dp_ranks = ranks / cp_;  // what avg divides the gradients by
+    if (avg) scale = scale.value_or(module_->config().router_aux_loss_coef) * double(dp_ranks);
     nn::AuxStatsReduce reduce = [this](const Tensor& stats, const Stream& on) {
       Tensor t = stats;
       if (shard_comm_) shard_comm_->all_reduce(t, comm::ReduceOp::sum, on);
       if (replicate_comm_) replicate_comm_->all_reduce(t, comm::ReduceOp::sum, on);
     };
     nn::AuxLoss aux = module_->aux_loss_and_grad(ctx, scale, s, reduce);
-    if (avg) aux.scale /= double(ranks);
+    if (avg) aux.scale /= double(dp_ranks);
     return aux;
   }
 
@@ -647,9 +679,11 @@ class Sharded {
   struct Groups {
     comm::Comm *shard = nullptr, *replicate = nullptr;                // dense units
     comm::Comm *expert_shard = nullptr, *expert_replicate = nullptr;  // expert units
-    comm::Comm* expert_norm = nullptr;        // every expert element on one rank (the grad norm)
-    std::unique_ptr<comm::Comm> owned_dense;  // a flattened dp x ep group
+    comm::Comm* expert_norm = nullptr;         // every expert element on one rank (the grad norm)
+    std::unique_ptr<comm::Comm> owned_dense;   // a flattened dp x cp x ep group
+    std::unique_ptr<comm::Comm> owned_expert;  // a flattened dp x cp group
     int ep = 0;
+    int cp = 1;  // the cp degree the groups include (their ranks' gradients are partial sums of one batch)
   };
 
   static comm::Comm* nontrivial(comm::Comm* c) { return c && c->size() > 1 ? c : nullptr; }
@@ -658,6 +692,8 @@ class Sharded {
       : module_(std::make_unique<Module>(std::move(module))),
         options_(options),
         owned_dense_comm_(std::move(groups.owned_dense)),
+        owned_expert_comm_(std::move(groups.owned_expert)),
+        cp_(groups.cp),
         shard_comm_(nontrivial(groups.shard)),
         replicate_comm_(nontrivial(groups.replicate)),
         expert_shard_comm_(nontrivial(groups.expert_shard)),
@@ -676,7 +712,7 @@ class Sharded {
       if (su.kind == nn::UnitKind::expert) {
         SLIME_CHECK(groups.ep > 0, "Sharded: unit '", su.name, "' holds expert weights of an ExpertParallel of degree ",
                     su.expert_degree, "; build Sharded from a comm::Mesh whose ep axis is the ExpertParallel's group ",
-                    "(expert weights shard over dp_shard, dense ones over dp_shard x ep)");
+                    "(expert weights shard over dp_shard x cp, dense ones over dp_shard x cp x ep)");
         SLIME_CHECK(su.expert_degree == groups.ep, "Sharded: unit '", su.name, "' holds expert weights of an ",
                     "ExpertParallel of degree ", su.expert_degree, " but the mesh has ep = ", groups.ep,
                     "; build the model's ExpertParallel over the mesh's ep axis");
@@ -744,12 +780,16 @@ class Sharded {
       const bool expert = su.kind == nn::UnitKind::expert;
       u.shard = expert ? expert_shard_comm_ : shard_comm_;
       u.replicate = expert ? expert_replicate_comm_ : replicate_comm_;
+      // avg: from the division by the unit's groups to the one by the
+      // data-parallel ranks (see the top of this file).
+      if (options_.gradient_reduce == comm::ReduceOp::avg)
+        u.grad_scale = float(groups.cp) / float(expert ? groups.ep : 1);
       u.aliased = u.shard == nullptr;
-      u.direct_grads = trains && u.shard == nullptr && u.replicate == nullptr;
+      // A unit with a scale keeps a full gradient to scale in its reduction.
+      u.direct_grads = trains && u.shard == nullptr && u.replicate == nullptr && u.grad_scale == 1.f;
       u.separate_compute = separate_compute_;
       u.device = device_;
       u.compute_dtype = compute_dtype_;
-      if (expert && options_.gradient_reduce == comm::ReduceOp::avg) u.grad_scale = 1.f / float(groups.ep);
       std::vector<std::pair<std::string, Shape>> shapes;
       for (const nn::Parameter* p : su.params) shapes.emplace_back(p->name, p->value.shape());
       u.layout = FlatShardLayout(shapes, u.shard ? u.shard->size() : 1);
@@ -809,36 +849,50 @@ class Sharded {
 
   static Groups mesh_groups(const comm::Mesh& mesh) {
     using comm::Axis;
-    SLIME_CHECK(mesh.size(Axis::cp) == 1, "Sharded: the mesh has cp = ", mesh.size(Axis::cp),
-                "; context parallelism does not compose with Sharded yet (cp must be 1)");
-    const int ep = mesh.size(Axis::ep);
+    const int cp = mesh.size(Axis::cp), ep = mesh.size(Axis::ep);
     Groups g;
     g.ep = ep;
-    // The dense group over a data-parallel axis: that axis times ep.
-    auto dense = [&](Axis a) -> comm::Comm* {
-      if (ep == 1) return &mesh.comm(a);
-      g.owned_dense = mesh.flatten({a, Axis::ep});
-      return g.owned_dense.get();
+    g.cp = cp;
+    // The groups over the data-parallel axis a: dense units a x cp x ep,
+    // expert units a x cp (when ep = 1 there are none: the dense group).
+    struct Pair {
+      comm::Comm *dense, *expert;
     };
-    if constexpr (Strategy::shards && Strategy::replicates) {
-      g.shard = dense(Axis::dp_shard);
-      g.replicate = g.expert_replicate = &mesh.comm(Axis::dp_replicate);
-      g.expert_shard = &mesh.comm(Axis::dp_shard);
+    const auto over = [&](Axis a) {
+      Pair p{&mesh.comm(a), nullptr};
+      if (cp > 1 || ep > 1) {
+        g.owned_dense = mesh.flatten({a, Axis::cp, Axis::ep});
+        p.dense = g.owned_dense.get();
+      }
+      p.expert = p.dense;
+      if (ep > 1) {
+        p.expert = &mesh.comm(a);
+        if (cp > 1) {
+          g.owned_expert = mesh.flatten({a, Axis::cp});
+          p.expert = g.owned_expert.get();
+        }
+      }
+      return p;
+    };
+    if constexpr (Strategy::shards) {
+      if constexpr (!Strategy::replicates)
+        SLIME_CHECK(mesh.size(Axis::dp_replicate) == 1, "Sharded: this strategy shards over dp_shard",
+                    cp > 1 ? " x cp" : "", " only, but the mesh (", mesh.shape().str(),
+                    ") has dp_replicate = ", mesh.size(Axis::dp_replicate),
+                    "; use HybridShard to replicate across groups");
+      const Pair p = over(Axis::dp_shard);
+      g.shard = p.dense;
+      g.expert_shard = p.expert;
       g.expert_norm = g.shard;
-    } else if constexpr (Strategy::shards) {
-      SLIME_CHECK(mesh.size(Axis::dp_replicate) == 1,
-                  "Sharded: this strategy shards over dp_shard only, but the mesh has dp_replicate = ",
-                  mesh.size(Axis::dp_replicate), "; use HybridShard to replicate across groups");
-      g.shard = dense(Axis::dp_shard);
-      g.expert_shard = &mesh.comm(Axis::dp_shard);
-      g.expert_norm = g.shard;
+      if constexpr (Strategy::replicates) g.replicate = g.expert_replicate = &mesh.comm(Axis::dp_replicate);
     } else {
       const int r = mesh.size(Axis::dp_replicate), s = mesh.size(Axis::dp_shard);
-      SLIME_CHECK(r == 1 || s == 1, "Sharded<NoShard>: the mesh has dp_replicate = ", r, " and dp_shard = ", s,
-                  "; NoShard replicates over one axis (set the other to 1)");
-      const Axis a = r > 1 ? Axis::dp_replicate : Axis::dp_shard;
-      g.replicate = dense(a);
-      g.expert_replicate = &mesh.comm(a);
+      SLIME_CHECK(r == 1 || s == 1, "Sharded<NoShard>: the mesh (", mesh.shape().str(), ") has dp_replicate = ", r,
+                  " and dp_shard = ", s, "; NoShard replicates over one axis (set the other to 1)",
+                  cp > 1 || ep > 1 ? ", times cp x ep" : "");
+      const Pair p = over(r > 1 ? Axis::dp_replicate : Axis::dp_shard);
+      g.replicate = p.dense;
+      g.expert_replicate = p.expert;
       g.expert_norm = &mesh.comm(Axis::ep);
     }
     return g;
@@ -939,10 +993,12 @@ class Sharded {
 
   std::unique_ptr<Module> module_;
   ShardedOptions options_;
-  std::unique_ptr<comm::Comm> owned_dense_comm_;  // the flattened dp x ep group (mesh with ep > 1)
-  comm::Comm* shard_comm_ = nullptr;              // dense units; null: one rank per shard group
-  comm::Comm* replicate_comm_ = nullptr;          // dense units; null: no replicas
-  comm::Comm* expert_shard_comm_ = nullptr;       // expert units (ShardGroup::expert)
+  std::unique_ptr<comm::Comm> owned_dense_comm_;   // the flattened dp x cp x ep group (mesh with cp or ep > 1)
+  std::unique_ptr<comm::Comm> owned_expert_comm_;  // the flattened dp x cp group (mesh with cp and ep > 1)
+  int cp_ = 1;                                     // the mesh's cp degree (1 without a mesh)
+  comm::Comm* shard_comm_ = nullptr;               // dense units; null: one rank per shard group
+  comm::Comm* replicate_comm_ = nullptr;           // dense units; null: no replicas
+  comm::Comm* expert_shard_comm_ = nullptr;        // expert units (ShardGroup::expert)
   comm::Comm* expert_replicate_comm_ = nullptr;
   comm::Comm* expert_norm_comm_ = nullptr;  // the grad norm of expert shards (see global_norm)
   bool has_expert_units_ = false;
