@@ -179,30 +179,8 @@ BenchModel dense_1p7b_model() {
 }
 
 BenchModel moe_model() {
-  nn::Qwen3Config c;
-  c.model_type = "qwen3_moe";
-  c.vocab_size = 32000;
-  c.hidden_size = 1024;
-  c.intermediate_size = 3072;  // unused: every layer is sparse
-  c.num_hidden_layers = 8;
-  c.num_attention_heads = 16;
-  c.num_key_value_heads = 4;
-  c.head_dim = 64;
-  c.max_position_embeddings = 40960;
-  c.rms_norm_eps = 1e-6;
-  c.rope_theta = 1e6;
-  c.tie_word_embeddings = false;
-  c.torch_dtype = DType::bf16;
-  c.num_experts = 32;
-  c.num_experts_per_tok = 4;
-  c.moe_intermediate_size = 384;
-  c.norm_topk_prob = true;
-  c.decoder_sparse_step = 1;
-  c.mlp_only_layers = {};
-  c.output_router_logits = false;  // no load-balancing loss
-  c.validate();
   return {.name = "moe",
-          .config = c,
+          .config = bench::moe_config(),
           .warmup = 2,
           .steps = 5,
           .description =

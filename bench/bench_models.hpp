@@ -37,4 +37,30 @@ inline nn::Qwen3Config dense_1p7b_config() {
   return c;
 }
 
+// "moe": the Qwen3-MoE benchmark config (bench_fsdp, bench_context_parallel):
+// hidden 1024, 8 layers, all sparse (decoder_sparse_step 1, no
+// mlp_only_layers), 16 / 4 heads, head_dim 64, 32 experts top-4,
+// moe_intermediate 384, norm_topk_prob, vocab 32000, untied LM head,
+// rope_theta 1e6, no load-balancing loss (output_router_logits false);
+// intermediate 3072 is unused (no dense MLP layer). 388.8M parameters, 91.8M
+// of them active per token (attention, router, 4 experts, LM head).
+inline nn::Qwen3Config moe_config() {
+  nn::Qwen3Config c = dense_0p5b_config();
+  c.model_type = "qwen3_moe";
+  c.vocab_size = 32000;
+  c.num_hidden_layers = 8;
+  c.num_key_value_heads = 4;
+  c.head_dim = 64;
+  c.tie_word_embeddings = false;
+  c.num_experts = 32;
+  c.num_experts_per_tok = 4;
+  c.moe_intermediate_size = 384;
+  c.norm_topk_prob = true;
+  c.decoder_sparse_step = 1;
+  c.mlp_only_layers = {};
+  c.output_router_logits = false;  // no load-balancing loss
+  c.validate();
+  return c;
+}
+
 }  // namespace slime::bench
