@@ -179,6 +179,39 @@ for plain, offloaded in (("full", "offload"), ("kl_ep2", "offload_kl_ep2")):
 print("--offload: equal to the run without it bit for bit (with and without --ep 2 and a KL term)")
 PY
 
+# Context parallelism: --cp 2 (each response's tokens split over the 2 ranks
+# of one data rank: zigzag ring attention, both K/V modes; the built-in
+# model has one KV head, so no Ulysses; with a KL term and GSPO's sequence-level ratio) against --cp 1 on 2 data ranks
+# (the same global batch): f32 on the CPU, the blockwise softmax and another
+# reduction order.
+"$bin" --short --device cpu --ranks 2 --kl-coef 0.05 --loss gspo --out "$dir/cp1" --no-export --no-tensorboard
+for args in "--ring-kv p2p" "--ring-kv all-gather"; do
+  name=$(echo "$args" | tr -c 'a-z0-9+\n' '_')
+  # shellcheck disable=SC2086
+  "$bin" --short --device cpu --ranks 2 --cp 2 $args --kl-coef 0.05 --loss gspo --out "$dir/cp2_$name" --no-export \
+    --no-tensorboard
+done
+"$bin" --short --device cpu --ranks 4 --cp 2 --kl-coef 0.05 --loss gspo --out "$dir/cp2_dp2" --no-export --no-tensorboard
+python3 - "$dir" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+def rows(name):
+    return {r["step"]: r for r in map(json.loads, open(os.path.join(d, name, "metrics.jsonl")))}
+base = rows("cp1")
+runs = sorted(n for n in os.listdir(d) if n.startswith("cp2_"))
+assert len(runs) == 3, runs
+for n in runs:
+    other = rows(n)
+    assert sorted(other) == list(range(1, 7)), (n, sorted(other))
+    for s in base:
+        assert base[s]["reward"] == other[s]["reward"], f"{n} step {s}: reward {base[s]['reward']!r} vs {other[s]['reward']!r}"
+        for k in ("loss", "pg_loss", "kl", "grad_norm"):
+            a, b = base[s][k], other[s][k]
+            # relative 1e-5, absolute 1e-7 for near-zero terms (pg_loss of GRPO's zero-mean advantages)
+            assert abs(a - b) <= max(1e-5 * abs(a), 1e-7), f"{n} step {s} {k}: --cp 1 {a!r}, {b!r}"
+print(f"--cp 2 ({', '.join(runs)}): equal to --cp 1 within 1e-5 (1e-7 absolute), rewards bit for bit")
+PY
+
 # Every policy loss and advantage estimator runs from the command line, and
 # the older spelling --advantage gspo is --loss gspo with GRPO advantages.
 for args in "--loss gspo" "--loss cispo" "--loss ppo --eps-clip-c 3 --loss-agg seq_mean_token_mean" \

@@ -246,6 +246,9 @@ class Trainer {
     SLIME_CHECK(o_.cp >= 1 && comm_.size() % (o_.cp * o_.ep) == 0, "--cp ", o_.cp, " x --ep ", o_.ep,
                 " must divide the ", comm_.size(), " ranks");
     SLIME_CHECK(o_.ulysses >= 1 && o_.cp % o_.ulysses == 0, "--ulysses ", o_.ulysses, " must divide --cp ", o_.cp);
+    SLIME_CHECK(config_.num_attention_heads % o_.ulysses == 0 && config_.num_key_value_heads % o_.ulysses == 0,
+                "--ulysses ", o_.ulysses, " must divide the model's ", config_.num_attention_heads,
+                " attention heads and ", config_.num_key_value_heads, " KV heads");
     SLIME_CHECK(o_.cp == 1 || o_.rollout_mode == "colocated", "--cp ", o_.cp,
                 " needs --rollout colocated (disaggregated engines serve data-parallel ranks only)");
     (void)ring_kv(o_);
