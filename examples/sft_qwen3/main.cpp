@@ -1,6 +1,7 @@
 // sft_qwen3: supervised fine-tuning of a Qwen3 model on uint32 token files,
 // packed into micro-batches under a token budget and sharded with FSDP
-// (slime::parallel::Sharded). A template to copy: the files are
+// (slime::parallel::Sharded), optionally with context parallelism
+// (slime::parallel::ContextParallel, --cp). A template to copy: the files are
 //   main.cpp        options, devices and launch (this file)
 //   trainer.hpp     one rank's training loop
 //   token_data.hpp  token files -> documents -> training sequences; synthetic data
@@ -12,12 +13,15 @@
 //   sft_qwen3                                  synthetic data, built-in tiny model,
 //                                              2 CPU ranks (or the GPUs)
 //   sft_qwen3 --data corpus/ --model Qwen3-0.6B --steps 2000 --export-hf out
+//   sft_qwen3 --ranks 4 --cp 2                 2 data-parallel x 2 context-parallel ranks
 //   torchrun --no-python --nproc-per-node 8 sft_qwen3 --device cuda --data corpus/ ...
 //   sft_qwen3 --short --verify-resume          the CI check (see verify_resume)
+//   sft_qwen3 --short --verify-cp --ranks 4 --cp 2   the CI check of --cp (see verify_cp)
 #include <fmt/core.h>
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -138,6 +142,51 @@ int verify_resume(const slime::comm::Launch& l, const TrainOptions& o, const Tok
   return same && fell ? 0 : 1;
 }
 
+// --verify-cp: the run with --cp N (and --ulysses) against the same run
+// with --cp 1 on ranks / N ranks: the same data-parallel ranks, so the same
+// data, seed and micro-batches; only the attention and the gradient sums are
+// split over the cp ranks. The losses of the first kCpSteps steps must
+// agree within 1e-5 relative (f32 rounding: the ring attention and the
+// reductions add in another order, and AdamW's steps at --short's lr 1e-2
+// grow the difference: --ranks 2 --cp 2 measured 6.7e-6 at step 4 and
+// 2.3e-4 at step 12; the later steps are printed, not checked), and the loss
+// of the cp run must fall. CPU only (the f32 reference kernels).
+int verify_cp(const slime::comm::Launch& l, const std::string& device, const TrainOptions& o, const TokenDataset& data,
+              const slime::nn::Qwen3Config& config) {
+  constexpr int64_t kCpSteps = 6;
+  sft::require(o.cp > 1, "--verify-cp compares --cp N > 1 with --cp 1; give --cp");
+  sft::require(l.mode == slime::comm::LaunchMode::local_threads,
+               "--verify-cp runs CPU ranks as threads of one process; use --device cpu and no launcher");
+  fmt::print("verify-cp 1/2: {} steps on {} ranks, dp {} x cp {} (Ulysses {} x ring {})\n", o.steps, l.world_size,
+             l.world_size / o.cp, o.cp, o.ulysses, o.cp / o.ulysses);
+  const RunResult a = run(l, o, data, config);
+  fmt::print("verify-cp 2/2: the same on {} ranks, dp {} x cp 1\n", l.world_size / o.cp, l.world_size / o.cp);
+  TrainOptions plain = o;
+  plain.cp = plain.ulysses = 1;
+  plain.checkpoint_dir.clear();
+  plain.resume = false;
+  plain.metrics.clear();
+  plain.tensorboard.clear();
+  plain.export_hf.clear();
+  plain.quiet = true;
+  const RunResult b =
+      run(slime::comm::plan_launch({.device = device, .ranks = l.world_size / o.cp}), plain, data, config);
+  bool same = a.losses.size() == b.losses.size() && !a.losses.empty();
+  for (std::size_t i = 0; i < std::min(a.losses.size(), b.losses.size()); ++i) {
+    const auto [step, loss] = a.losses[i];
+    const double want = b.losses[i].second, rel = std::abs(loss - want) / std::abs(want);
+    const bool checked = step <= kCpSteps, ok = !checked || rel <= 1e-5;
+    fmt::print("  step {:3d}  cp 1 {:.9f}  cp {} {:.9f}  relative {:.1e}  {}\n", step, want, o.cp, loss, rel,
+               !checked ? "(not checked)"
+               : ok     ? "equal"
+                        : "DIFFERENT");
+    same = same && ok;
+  }
+  fmt::print("cp: {} (criterion: the first {} steps within 1e-5 relative)\n", same ? "OK" : "MISMATCH", kCpSteps);
+  const bool fell = report_loss_drop(a, 0.8);
+  return same && fell ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -148,7 +197,7 @@ int main(int argc, char** argv) {
   std::string data_path, device = "auto";
   int ranks = 2;
   int64_t eos_id = -1;
-  bool short_mode = false, verify = false;
+  bool short_mode = false, verify = false, verify_context = false;
   app.add_option("--data", data_path,
                  "token file (.u32, slime token format) or a directory of them; documents end with --eos-id. "
                  "Default: a synthetic file written to a temporary directory");
@@ -182,8 +231,10 @@ int main(int argc, char** argv) {
   app.add_option("--max-grad-norm", o.max_grad_norm, "clip the global gradient norm to this (0: no clipping)")
       ->check(CLI::Range(0.0, 1e9))
       ->capture_default_str();
-  app.add_option("--max-tokens-per-rank", o.max_tokens_per_rank,
-                 "packing budget: tokens per micro-batch on a rank (longer documents are cut into windows of this)")
+  app.add_option(
+         "--max-tokens-per-rank", o.max_tokens_per_rank,
+         "packing budget: tokens per micro-batch of a data-parallel rank (with --cp N its N ranks hold about 1/N "
+         "each); longer documents are cut into windows of this")
       ->check(CLI::Range(int64_t(2), int64_t(1) << 30))
       ->capture_default_str();
   app.add_option("--global-batch-tokens", o.global_batch_tokens,
@@ -192,6 +243,16 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--strategy", o.strategy, "FSDP strategy: full (ZeRO-3), grad_op (ZeRO-2) or no_shard (DDP)")
       ->check(CLI::IsMember({"full", "grad_op", "no_shard"}))
+      ->capture_default_str();
+  app.add_option("--cp", o.cp,
+                 "context parallelism: N ranks share each micro-batch, each holding 1/N of every sequence (the ranks "
+                 "are ranks/N data-parallel x N; FSDP shards over all of them)")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--ulysses", o.ulysses,
+                 "the Ulysses (all-to-all over heads) degree of --cp; it divides --cp and the rest is ring attention "
+                 "(--ulysses 1: ring only; --ulysses = --cp: Ulysses only, which needs it to divide the KV heads)")
+      ->check(CLI::Range(1, 64))
       ->capture_default_str();
   app.add_option("--checkpoint-dir", o.checkpoint_dir, "directory of sharded training checkpoints (none when empty)");
   app.add_option("--checkpoint-every", o.checkpoint_every,
@@ -213,6 +274,9 @@ int main(int argc, char** argv) {
   app.add_flag("--verify-resume", verify,
                "train, then train again stopping at steps/2 with a checkpoint, resume it, and exit non-zero unless "
                "the resumed losses equal the uninterrupted ones and the loss falls");
+  app.add_flag("--verify-cp", verify_context,
+               "train with --cp N, then with --cp 1 on ranks / N ranks, and exit non-zero unless the first steps' "
+               "losses agree within 1e-5 relative and the loss falls (CPU)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -231,10 +295,13 @@ int main(int argc, char** argv) {
     sft::require(o.schedule != "cosine" || o.warmup <= o.steps, "--warmup ", o.warmup, " exceeds --steps ", o.steps,
                  " (the cosine schedule decays after the warm-up)");
     sft::require(o.min_lr <= o.lr, "--min-lr ", o.min_lr, " exceeds --lr ", o.lr);
+    sft::require(o.cp % o.ulysses == 0, "--ulysses ", o.ulysses, " must divide --cp ", o.cp);
     if (!o.model.empty())
       sft::require(fs::is_directory(o.model), "--model: '", o.model, "' is not a directory (expected a Hugging Face ",
                    "model directory with config.json and safetensors)");
     const slime::comm::Launch launch = slime::comm::plan_launch({.device = device, .ranks = ranks});
+    sft::require(launch.world_size % o.cp == 0, "--cp ", o.cp, " must divide the ", launch.world_size,
+                 " ranks (they are ranks / cp data-parallel x cp)");
 
     // The model's architecture, and the data (checked against its vocabulary).
     std::optional<slime::nn::Qwen3Config> hf_config;
@@ -266,8 +333,13 @@ int main(int argc, char** argv) {
       // The built-in model's vocabulary covers the data's ids, rounded up to 64.
       config = sft::tiny_qwen3_config((data.vocab_needed() + 63) / 64 * 64);
     }
+    sft::require(config.num_attention_heads % o.ulysses == 0 && config.num_key_value_heads % o.ulysses == 0,
+                 "--ulysses ", o.ulysses, " must divide the model's query heads (", config.num_attention_heads,
+                 ") and KV heads (", config.num_key_value_heads, "); put the rest of --cp into ring attention");
 
+    sft::require(!(verify && verify_context), "--verify-resume and --verify-cp are separate checks; give one");
     if (verify) return verify_resume(launch, o, data, config, scratch.path());
+    if (verify_context) return verify_cp(launch, device, o, data, config);
     const RunResult result = run(launch, o, data, config);
     if (launch.has_rank_zero()) report_loss_drop(result, 1.0);
     return 0;

@@ -2,21 +2,33 @@
 // train_rank with its communicator; the ranks agree on everything without
 // talking (the same data order, the same packing plan) except where a step
 // needs a collective: the global token count, the FSDP all-gathers and
-// reduce-scatters inside Sharded, the gradient norm, the step's loss for the
-// log, checkpoints and the export.
+// reduce-scatters inside Sharded, the attention of context parallelism, the
+// gradient norm, the step's loss for the log, checkpoints and the export.
+//
+// Parallelism: the mesh dp_shard x cp (--cp N; the world is dp x N ranks)
+// is always built; at --cp 1 its cp axis has one rank and every code path is
+// the same. The N ranks of a cp group share their data-parallel rank's
+// micro-batches: parallel::ContextParallel (Ulysses x ring, --ulysses) gives
+// each its rows of every sequence (padded to a multiple of 2 x cp, or of cp
+// for Ulysses alone; padding of loss weight 0) and runs the attention over
+// the whole sequences; Sharded shards over dp_shard x cp and sums the
+// gradients of both.
 //
 // A step:
 //   1. draw sequences until the step holds --global-batch-tokens (the same on
 //      every rank: a seeded, resumable epoch order);
-//   2. data::plan splits them over the ranks (balanced tokens) and into
-//      micro-batches of at most --max-tokens-per-rank tokens;
-//   3. one all_reduce sums the ranks' target tokens: every rank's loss is
-//      -sum(log p) / global tokens, so the gradients reduce by a plain sum to
-//      the gradient of the mean next-token loss of the whole step;
-//   4. per micro-batch: Sharded forward, fused LM head, backward (gradients
-//      accumulate; the last micro-batch reduce-scatters them);
+//   2. data::plan splits them over the data-parallel ranks (balanced tokens)
+//      and into micro-batches of at most --max-tokens-per-rank tokens;
+//   3. one all_reduce over dp sums the data-parallel ranks' target tokens:
+//      every rank's loss is -sum(log p) over its rows / global tokens, so the
+//      gradients reduce by a plain sum to the gradient of the mean next-token
+//      loss of the whole step;
+//   4. per micro-batch: this rank's rows of it, Sharded forward, fused LM
+//      head, backward (gradients accumulate; the last micro-batch
+//      reduce-scatters them);
 //   5. AdamW on the local shards at the schedule's learning rate (with global
-//      grad-norm clipping), then metrics and, every N steps, a checkpoint.
+//      grad-norm clipping), then metrics (the loss summed over every rank)
+//      and, every N steps, a checkpoint.
 #pragma once
 
 #include <algorithm>
@@ -36,6 +48,7 @@
 
 #include "checkpoint.hpp"
 #include "slime/comm/comm.hpp"
+#include "slime/comm/mesh.hpp"
 #include "slime/core/device.hpp"
 #include "slime/data/packer.hpp"
 #include "slime/data/shuffle.hpp"
@@ -45,6 +58,7 @@
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/optim/lr_schedule.hpp"
+#include "slime/parallel/context_parallel.hpp"
 #include "slime/parallel/export_hf.hpp"
 #include "slime/parallel/sharded.hpp"
 #include "token_data.hpp"
@@ -73,6 +87,8 @@ struct TrainOptions {
   int64_t max_tokens_per_rank = 1024;
   int64_t global_batch_tokens = 2048;
   std::string strategy = "full";  // full | grad_op | no_shard
+  int cp = 1;                     // context-parallel degree: ranks sharing each micro-batch
+  int ulysses = 1;                // its Ulysses degree (divides cp; the ring degree is cp / ulysses)
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;  // 0: only at the end (when --checkpoint-dir is set)
   int keep_checkpoints = 2;
@@ -145,35 +161,43 @@ inline double all_reduce_sum(comm::Comm& comm, double value) {
   return double(t.to_vector<float>()[0]);
 }
 
-// One packed micro-batch: forward, the fused LM head, backward of
-// -sum_t log p(target_t) / normalizer. Returns this micro-batch's share of
-// the step's loss.
+// A micro-batch's part of the step's loss on this rank.
+struct MicroBatchLoss {
+  double share = 0;  // -sum over this rank's rows of w log p / normalizer
+  double aux = 0;    // the MoE aux-loss term (output_router_logits): the whole micro-batch's, on every rank
+};
+
+// One packed micro-batch of this rank's data-parallel rank: this rank's rows
+// of it (`cp` plans them; at --cp 1 every row), forward, the fused LM head,
+// backward of -sum_t w_t log p(target_t) / normalizer with w = 1 on the
+// tokens and 0 on cp padding.
 template <class ShardedModel>
-double train_micro_batch(ShardedModel& sh, const TokenDataset& data, const std::vector<Sequence>& step_sequences,
-                         const slime::data::MicroBatchPlan& mb, double normalizer) {
-  const Device device = sh.device();
+MicroBatchLoss train_micro_batch(ShardedModel& sh, parallel::ContextParallel& cp, const TokenDataset& data,
+                                 const std::vector<Sequence>& step_sequences, const slime::data::MicroBatchPlan& mb,
+                                 double normalizer) {
+  std::vector<int32_t> cu{0}, tokens, targets, seq_inputs, seq_targets;
+  for (const int32_t i : mb.samples) {
+    data.inputs_and_targets(step_sequences[std::size_t(i)], seq_inputs, seq_targets);
+    tokens.insert(tokens.end(), seq_inputs.begin(), seq_inputs.end());
+    targets.insert(targets.end(), seq_targets.begin(), seq_targets.end());
+    cu.push_back(int32_t(tokens.size()));
+  }
   if (mb.samples.empty()) {
     // A rank with fewer sequences than the agreed micro-batch count still runs
     // every micro-batch (its collectives must match its peers'): one token
-    // with a zero gradient.
-    nn::PackedBatch batch = nn::make_packed_batch({{0}}, device);
-    const Tensor targets = Tensor::from_vector(std::vector<int32_t>{0}, {1}, device);
-    typename ShardedModel::Context ctx;
-    const Tensor hidden = sh.forward(batch, ctx);
-    const slime::ops::TokenLogprobs lp = sh.token_logprobs(hidden, targets);
-    const Tensor zero = Tensor::zeros({1}, DType::f32, device);
-    sh.backward(ctx, sh.token_logprobs_backward(hidden, targets, 1.f, lp, zero, Tensor{}));
-    return 0;
+    // of weight 0.
+    tokens = targets = {0};
+    cu.push_back(1);
   }
-  std::vector<std::vector<int32_t>> inputs(mb.samples.size());
-  std::vector<int32_t> targets, seq_targets;
-  for (std::size_t i = 0; i < mb.samples.size(); ++i) {
-    data.inputs_and_targets(step_sequences[std::size_t(mb.samples[i])], inputs[i], seq_targets);
-    targets.insert(targets.end(), seq_targets.begin(), seq_targets.end());
-  }
-  const nn::PackedBatch batch = nn::make_packed_batch(inputs, device);
-  const Tensor target_tensor = Tensor::from_vector(targets, {int64_t(targets.size())}, device);
-  return sh.loss_and_backward(batch, target_tensor, 1.f, normalizer).loss;
+  const std::vector<float> weights(targets.size(), mb.samples.empty() ? 0.f : 1.f);
+  const parallel::CpPlan& plan = cp.plan(cu);
+  const nn::PackedBatch batch = cp.local_batch(tokens);
+  const int64_t T = plan.local_tokens();
+  const Tensor t = Tensor::from_vector(plan.take(targets, 0), {T}, sh.device());
+  const Tensor w = Tensor::from_vector(plan.take(weights, 0.f), {T}, sh.device());
+  const nn::LossResult r = sh.loss_and_backward(batch, t, w, 1.f, normalizer);
+  const double aux = sh.module().config().router_aux_loss_coef * r.aux_loss;  // 0 when not included
+  return {r.loss - aux, aux};
 }
 
 // The training loop of one rank with a fixed strategy (see the top of the file).
@@ -185,7 +209,15 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
   const bool lead = comm.rank() == 0;
   optim::AdamWConfig adamw;
   adamw.weight_decay = o.weight_decay;
-  parallel::Sharded<nn::Qwen3Model, Strategy> sh(build_model(o, config, device), comm, {}, adamw);
+  // The mesh dp_shard x cp and the context parallelism over its cp axis
+  // (declared before the model: it keeps pointers to both).
+  require(o.cp >= 1 && comm.size() % o.cp == 0, "--cp ", o.cp, " must divide the ", comm.size(), " ranks");
+  const comm::Mesh mesh(comm, comm::MeshShape{.dp_replicate = 1, .dp_shard = comm.size() / o.cp, .cp = o.cp, .ep = 1});
+  parallel::ContextParallel cp(mesh.comm(comm::Axis::cp), {.ulysses = o.ulysses});
+  comm::Comm& dp = mesh.comm(comm::Axis::dp_shard);
+  nn::Qwen3Model model = build_model(o, config, device);
+  model.set_sequence_attention(&cp);
+  parallel::Sharded<nn::Qwen3Model, Strategy> sh(std::move(model), mesh, {}, adamw);
   const optim::LrSchedule schedule = make_schedule(o);
   // The data order: a fresh shuffle of every sequence each epoch, the same
   // on every rank (seeded), resumable from a saved DataPosition.
@@ -207,7 +239,7 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
   }
 
   slime::data::PackConfig pack;
-  pack.dp_size = comm.size();
+  pack.dp_size = dp.size();
   pack.max_tokens_per_gpu = o.max_tokens_per_rank;
 
   // Console and metrics on rank 0 only.
@@ -226,9 +258,10 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
       int64_t numel = 0;
       for (std::size_t u = 0; u < sh.num_units(); ++u)
         for (const auto& e : sh.unit_layout(u).entries()) numel += e.numel;
-      fmt::print("model: {} ({} tensors, {:.2f}M parameters) on {} ranks ({}, {}), strategy {}\n",
+      fmt::print("model: {} ({} tensors, {:.2f}M parameters) on {} ranks ({}, {}), strategy {}, dp {} x cp {}{}\n",
                  o.model.empty() ? "built-in tiny Qwen3" : o.model, params, double(numel) / 1e6, comm.size(),
-                 device.is_cuda() ? "cuda" : "cpu", slime::dtype_name(sh.compute_dtype()), o.strategy);
+                 device.is_cuda() ? "cuda" : "cpu", slime::dtype_name(sh.compute_dtype()), o.strategy, dp.size(), o.cp,
+                 o.cp > 1 ? fmt::format(" (Ulysses {} x ring {})", cp.ulysses(), cp.ring()) : "");
       fmt::print("data: {} sequences, {} tokens | step: >= {} tokens, <= {} per micro-batch | lr {} ({})\n",
                  data.size(), data.total_tokens(), o.global_batch_tokens, o.max_tokens_per_rank, o.lr, o.schedule);
       if (o.resume) fmt::print("resumed from '{}' at step {}\n", o.checkpoint_dir, step);
@@ -244,24 +277,29 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
     ++step;
     const double start = now_seconds();
 
-    // 1-2. The step's sequences and this rank's share, packed.
-    const std::vector<Sequence> sequences = next_global_batch(sampler, data, o.global_batch_tokens, comm.size());
+    // 1-2. The step's sequences and this data-parallel rank's share, packed
+    // (the same for every rank of its cp group).
+    const std::vector<Sequence> sequences = next_global_batch(sampler, data, o.global_batch_tokens, dp.size());
     std::vector<int64_t> lengths;
     for (const Sequence& s : sequences) lengths.push_back(s.length);
     const slime::data::PackPlan plan = slime::data::plan(pack, lengths);
-    const slime::data::RankPlan& mine = plan.steps[0].ranks[std::size_t(comm.rank())];
+    const slime::data::RankPlan& mine = plan.steps[0].ranks[std::size_t(dp.rank())];
 
-    // 3. The loss normaliser: every target token of the step, over all ranks.
-    // (Each rank could read it off the plan; the all_reduce keeps the loop
-    // right when ranks read disjoint data and plan only their own.)
-    const int64_t step_tokens = all_reduce_sum(comm, mine.tokens);
+    // 3. The loss normaliser: every target token of the step, over the
+    // data-parallel ranks. (Each rank could read it off the plan; the
+    // all_reduce keeps the loop right when ranks read disjoint data and plan
+    // only their own.)
+    const int64_t step_tokens = all_reduce_sum(dp, mine.tokens);
 
     // 4. Forward and backward of each micro-batch.
     sh.zero_grad();
     sh.set_micro_batches(int(mine.micro_batches.size()));
-    double rank_loss = 0;
-    for (const slime::data::MicroBatchPlan& mb : mine.micro_batches)
-      rank_loss += train_micro_batch(sh, data, sequences, mb, double(step_tokens));
+    double rank_loss = 0, aux_loss = 0;
+    for (const slime::data::MicroBatchPlan& mb : mine.micro_batches) {
+      const MicroBatchLoss l = train_micro_batch(sh, cp, data, sequences, mb, double(step_tokens));
+      rank_loss += l.share;
+      aux_loss += l.aux;
+    }
 
     // 5. The update: clip to --max-grad-norm (the norm over all shards) and AdamW.
     const double lr = schedule.lr(step);
@@ -272,7 +310,8 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
       grad_norm = sh.grad_norm();
       sh.optimizer_step(lr);
     }
-    const double loss = all_reduce_sum(comm, rank_loss);
+    // Every rank's share (over dp and cp) once, the aux terms once.
+    const double loss = all_reduce_sum(comm, rank_loss) + aux_loss;
     tokens_seen += step_tokens;
     const double seconds = now_seconds() - start;
 

@@ -35,18 +35,10 @@
 namespace {
 
 using namespace slime;
+using namespace slime::parallel;   // Sharded, its strategies, ContextParallel
+using namespace slime_test::fsdp;  // the FSDP tests' tiny Qwen3, parameter maps and thread checks
 using Catch::Matchers::ContainsSubstring;
 using comm::Axis;
-using parallel::FullShard;
-using parallel::HybridShard;
-using parallel::NoShard;
-using parallel::Sharded;
-using parallel::ShardGradOp;
-using slime_test::fsdp::error_of;
-using slime_test::fsdp::gather_full;
-using slime_test::fsdp::max_rel_diff;
-using slime_test::fsdp::Params;
-using slime_test::fsdp::thread_checks;
 
 constexpr int64_t kVocab = 37;   // tiny_config's
 constexpr int64_t kExperts = 4;  // tiny_config(moe)'s
@@ -93,8 +85,8 @@ Batch batch_of(int step, int rank, int multiple) {
   return b;
 }
 
-nn::Qwen3Config dense_config() { return slime_test::fsdp::tiny_config(/*tied=*/false); }
-nn::Qwen3Config moe_config() { return slime_test::fsdp::tiny_config(/*tied=*/false, /*moe=*/true); }
+nn::Qwen3Config dense_config() { return tiny_config(/*tied=*/false); }
+nn::Qwen3Config moe_config() { return tiny_config(/*tied=*/false, /*moe=*/true); }
 
 struct Case {
   comm::MeshShape mesh;
@@ -171,9 +163,9 @@ Result reference_run(const Case& c) {
     }
     out.losses.push_back(c.per_rank() ? loss * c.data_ranks() : loss);
     if (step == 0) model.for_each_parameter([&](nn::Parameter& p) { out.grads[p.name] = p.grad.to_vector<float>(); });
-    slime_test::fsdp::reference_step(model, opt, kLr, 0);
+    reference_step(model, opt, kLr, 0);
   }
-  out.params = slime_test::fsdp::parameters_of(model);
+  out.params = parameters_of(model);
   return out;
 }
 
@@ -237,7 +229,7 @@ Result sharded_run(const Case& c) {
             out.losses[std::size_t(step)] += (c.avg() && !c.per_rank() ? share / c.data_ranks() : share) +
                                              (world.rank() == 0 ? coef * r.aux_loss : 0);
           }
-          if (step == 0) gather_full(sh, mesh, kExperts, out.grads, mutex, slime_test::fsdp::Gathered::gradients);
+          if (step == 0) gather_full(sh, mesh, kExperts, out.grads, mutex, Gathered::gradients);
           sh.optimizer_step(kLr);
         }
         gather_full(sh, mesh, kExperts, out.params, mutex);
@@ -372,12 +364,11 @@ TEST_CASE("Sharded with ContextParallel: clear errors for what does not compose"
   comm::run_local_ranks(4, [&](comm::Comm& world) {
     const std::size_t r = std::size_t(world.rank());
     const comm::Mesh replicated(world, mesh_of(1, 2, 1, 2));
-    full_replicated[r] =
-        error_of([&] { Sharded<nn::Qwen3Model, FullShard>(slime_test::fsdp::make_model(dense_config()), replicated); });
+    full_replicated[r] = error_of([&] { Sharded<nn::Qwen3Model, FullShard>(make_model(dense_config()), replicated); });
     // cp > 1 without the model's sequence attention: each rank would attend
     // over its rows alone.
     const comm::Mesh mesh(world, mesh_of(2, 2));
-    Sharded<nn::Qwen3Model, FullShard> sh(slime_test::fsdp::make_model(dense_config()), mesh);
+    Sharded<nn::Qwen3Model, FullShard> sh(make_model(dense_config()), mesh);
     no_attention[r] = error_of([&] {
       nn::Qwen3Model::Context ctx;
       sh.forward(nn::make_packed_batch({{1, 2, 3}}), ctx);
@@ -387,7 +378,7 @@ TEST_CASE("Sharded with ContextParallel: clear errors for what does not compose"
   comm::run_local_ranks(8, [&](comm::Comm& world) {
     const comm::Mesh mesh(world, mesh_of(2, 2, 1, 2));
     noshard_2d[std::size_t(world.rank())] =
-        error_of([&] { Sharded<nn::Qwen3Model, NoShard>(slime_test::fsdp::make_model(dense_config()), mesh); });
+        error_of([&] { Sharded<nn::Qwen3Model, NoShard>(make_model(dense_config()), mesh); });
   });
   for (int r = 0; r < 4; ++r) {
     INFO("rank " << r);
