@@ -71,3 +71,41 @@ TEST_CASE("Qwen3 with context parallelism on CUDA (bf16) matches the model on on
 }
 
 }  // namespace
+
+namespace {
+
+TEST_CASE("ContextParallel's backward workspace is the model's: nn::release_workspaces frees it (CUDA)") {
+  if (cuda_device_count() == 0) SKIP("no CUDA device");
+  nn::Qwen3Config c = slime_test::fsdp::tiny_config(/*tied=*/false);
+  c.head_dim = 64;
+  const Device gpu = Device::cuda(0);
+  std::vector<std::size_t> before(2), after(2);
+  comm::run_local_ranks(
+      2,
+      [&](comm::Comm& comm) {
+        nn::Qwen3Model m = slime_test::cp::model_of(c, gpu);
+        parallel::ContextParallel cpar(comm, {.ulysses = 1, .ring_kv = parallel::RingKv::p2p});
+        m.set_sequence_attention(&cpar);
+        nn::zero_grad(m);
+        const std::vector<int32_t> tokens = {3, 14, 15, 9, 2, 6, 5, 35, 8, 9, 7};
+        cpar.plan({0, 7, 11});
+        const nn::PackedBatch local = cpar.local_batch(tokens);
+        const Tensor t = cpar.local_rows(Tensor::from_vector(tokens, {11}, gpu));
+        (void)m.loss_and_backward(local, t);
+        const auto cp_bytes = [&] {
+          std::size_t n = 0;
+          cpar.for_each_workspace([&](Tensor& w) { n += w.defined() ? w.nbytes() : 0; });
+          return n;
+        };
+        before[std::size_t(comm.rank())] = cp_bytes();
+        nn::release_workspaces(m);
+        after[std::size_t(comm.rank())] = cp_bytes() + nn::workspace_bytes(m);
+      },
+      comm::kLocalCommTimeout, gpu);
+  for (int r = 0; r < 2; ++r) {
+    CHECK(before[std::size_t(r)] > 0);  // the ring's attention backward kept its workspace
+    CHECK(after[std::size_t(r)] == 0);
+  }
+}
+
+}  // namespace

@@ -145,6 +145,8 @@ class Qwen3Model {
     embed_tokens_.for_each_workspace(f);
     for (auto& layer : layers_) layer.for_each_workspace(f);
     norm_.for_each_workspace(f);
+    // The sequence-parallel attention every layer shares: visited once.
+    if (SequenceAttention* sa = sequence_attention()) sa->for_each_workspace([&](Tensor& t) { f(t); });
   }
 
   // Projections and embeddings ~ N(0, std), norm weights 1 (counter-based:

@@ -19,6 +19,7 @@
 // nn/ declares the interface only; the implementations are in parallel/.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -52,6 +53,10 @@ class SequenceAttention {
   // dq, dk, dv (written) from d_o and what forward saved.
   virtual void backward(const Saved& saved, const Tensor& d_o, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                         const Stream& stream) = 0;
+
+  // The workspaces it keeps between calls (the model's for_each_workspace
+  // visits them once, so nn::release_workspaces and runtime offload free them).
+  virtual void for_each_workspace(const std::function<void(Tensor&)>& f) { (void)f; }
 };
 
 }  // namespace slime::nn

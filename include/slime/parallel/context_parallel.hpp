@@ -61,6 +61,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -298,6 +299,8 @@ class ContextParallel final : public nn::SequenceAttention {
   }
 
   // ---- nn::SequenceAttention ----------------------------------------------
+
+  void for_each_workspace(const std::function<void(Tensor&)>& f) override { f(ws_); }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, const nn::PackedBatch& batch, const Tensor& o,
                nn::SequenceAttention::Saved& saved, const Stream& given) override {
