@@ -2,18 +2,18 @@
 // (parallel/context_parallel.hpp) costs, measured on one GPU (H200, bf16):
 // three studies, each a family of rows. No PyTorch baseline.
 //
-// 1. cp/ring/<batch>/hkv<H>/r<r>: the zigzag ring's block attentions against
+// 1. cp/ring/<batch>/hkv<H>/r<r>/{zigzag,default}: the ring's block attentions against
 //    one causal attention of the whole batch (ring-flash-attention's
 //    efficiency). Batches: "seq32768", one sequence of 32768 tokens;
 //    "varlen16", 16 RL-like sequences of 512 .. 4096 tokens, 9 of odd length,
 //    32547 tokens (kVarlenLengths). Hq 16, Hkv 16 or 4, head_dim 128, causal;
 //    ring degree r = 2, 4, 8 (ulysses 1). The schedule is ContextParallel's
 //    (ring_forward / ring_backward), rebuilt from the public
-//    CpPlan::make(cu, 1, r, i) and ring_blocks(): ring rank i at step
+//    CpPlan::make(cu, 1, r, i, min_chunk) and ring_blocks(): ring rank i at step
 //    s = 0 .. r-1 holds the K/V block of rank j = (i - s) mod r and runs
 //      s == 0: blocks.self   causal, its rows over its rows
-//      j <  i: blocks.before no mask
-//      j >  i: blocks.after  no mask
+//      j != i: blocks.from[j] no mask (j < i: "before", j > i: "after"; a
+//              sequence whole on one rank has no rows across ranks)
 //    with q = rank i's rows [T_r, Hq, d] and the K/V block = rank j's rows
 //    [T_r, Hkv, d] (T_r = the padded tokens / r, the same on every rank).
 //    Each block is timed alone, forward (attention_forward) and forward +
@@ -329,7 +329,7 @@ struct RingStep {
 RingStep ring_step(const RingRank& rank, int i, int step, int ring) {
   const int j = (i - step + ring) % ring;
   if (step == 0) return {&rank.blocks.self, i, "self"};
-  return j < i ? RingStep{&rank.blocks.before, j, "before"} : RingStep{&rank.blocks.after, j, "after"};
+  return {&rank.blocks.from[std::size_t(j)], j, j < i ? "before" : "after"};
 }
 
 void block_forward(const RingRank& a, const RingRank& kv, const RingStep& st, const Tensor& o, const Tensor& lse,
@@ -348,7 +348,7 @@ void block_backward(const RingRank& a, const RingRank& kv, const RingStep& st, c
                           st.block->max_k, dq, dk, dv, opt, ws, s);
 }
 
-std::vector<RingRank> make_ring(const FullAttention& f, int ring, const Stream& s) {
+std::vector<RingRank> make_ring(const FullAttention& f, int ring, int64_t min_chunk, const Stream& s) {
   const Device dev = s.device();
   std::vector<RingRank> ranks(static_cast<std::size_t>(ring));
   // d_o with a zero row at its end for the padding rows (a loss weight of 0:
@@ -358,7 +358,7 @@ std::vector<RingRank> make_ring(const FullAttention& f, int ring, const Stream& 
   d_o_padded.slice_rows(0, T_global).copy_from(f.d_o, s);
   for (int i = 0; i < ring; ++i) {
     RingRank& r = ranks[std::size_t(i)];
-    r.plan = parallel::CpPlan::make(f.cu, 1, ring, i);
+    r.plan = parallel::CpPlan::make(f.cu, 1, ring, i, min_chunk);
     r.blocks = parallel::ring_blocks(r.plan, dev, s);
     const int64_t T = r.plan.local_tokens();
     std::vector<int32_t> index, index_do;
@@ -490,13 +490,13 @@ RingOverhead ring_overhead(const RingRank& r, RingScratch& x, int ring, const St
   return o;
 }
 
-void run_ring(benchmark::State& state, const RingBatch& batch, int64_t heads_kv, int ring) {
+void run_ring(benchmark::State& state, const RingBatch& batch, int64_t heads_kv, int ring, int64_t min_chunk) {
   if (bench::skip_without_cuda(state)) return;
   bench::run_or_skip(state, [&] {
     const Stream& s = bench_stream();
     for (auto _ : state) {
       FullAttention& f = full_attention(batch, heads_kv, s);
-      std::vector<RingRank> ranks = make_ring(f, ring, s);
+      std::vector<RingRank> ranks = make_ring(f, ring, min_chunk, s);
       RingScratch x = make_scratch(ranks[0], s);
       if (bench::skip_if_error(state, ring_check(ranks, x, f, s))) return;
 
@@ -930,13 +930,19 @@ void run_longest(benchmark::State& state) {
 int main(int argc, char** argv) {
   // Never NVLink multicast (shared hosts); an explicit setting is left alone.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+  // zigzag: every sequence split (min_chunk_tokens 0); default: ContextParallel's
+  // layout (sequences whose 2r chunks would be shorter than min_chunk_tokens
+  // stay whole on one ring rank).
+  const int64_t default_min_chunk = parallel::ContextParallelOptions{}.min_chunk_tokens;
   for (const RingBatch& batch : {one_sequence_batch(), varlen_batch()})
     for (int64_t hkv : {int64_t(16), int64_t(4)})
       for (int ring : {2, 4, 8})
-        bench::register_manual(
-            "cp/ring/" + batch.name + "/hkv" + std::to_string(hkv) + "/r" + std::to_string(ring),
-            [batch, hkv, ring](benchmark::State& st) { run_ring(st, batch, hkv, ring); }, benchmark::kMillisecond,
-            /*iterations=*/1, /*repetitions=*/1);
+        for (const int64_t min_chunk : {int64_t(0), default_min_chunk})
+          bench::register_manual(
+              "cp/ring/" + batch.name + "/hkv" + std::to_string(hkv) + "/r" + std::to_string(ring) +
+                  (min_chunk == 0 ? "/zigzag" : "/default"),
+              [batch, hkv, ring, min_chunk](benchmark::State& st) { run_ring(st, batch, hkv, ring, min_chunk); },
+              benchmark::kMillisecond, /*iterations=*/1, /*repetitions=*/1);
   for (const AttnShape& shape : ulysses_shapes())
     for (int64_t seq : kUlyssesSeqLens)
       for (int u : kUlyssesDegrees)

@@ -86,7 +86,8 @@ inline std::vector<float> host_f32(const Tensor& t) {
 // LocalComm ranks of `dev` (dtype: the activations'), against the f32 CPU
 // attention of the whole batch. Padding rows hold random q, k, v and d_o = 0.
 inline OpResult run_attention_op(const OpShape& shape, int u, int r, parallel::RingKv kv = parallel::RingKv::p2p,
-                                 Device dev = Device::cpu(), DType dtype = DType::f32, uint64_t seed = 1) {
+                                 Device dev = Device::cpu(), DType dtype = DType::f32, uint64_t seed = 1,
+                                 int64_t min_chunk = 0) {
   const std::vector<int32_t> cu = cu_of(shape.lengths);
   const int64_t T = cu.back(), hq = shape.hq, hkv = shape.hkv, d = shape.d;
   const std::vector<float> q = uniform(T * hq * d, seed), k = uniform(T * hkv * d, seed + 1),
@@ -114,7 +115,7 @@ inline OpResult run_attention_op(const OpShape& shape, int u, int r, parallel::R
   comm::run_local_ranks(
       u * r,
       [&](comm::Comm& c) {
-        parallel::ContextParallel cpar(c, {.ulysses = u, .ring_kv = kv});
+        parallel::ContextParallel cpar(c, {.ulysses = u, .ring_kv = kv, .min_chunk_tokens = min_chunk});
         const Stream stream = Stream::default_for(dev);
         const parallel::CpPlan& p = cpar.plan(cu, stream);
         const int64_t Tl = p.local_tokens();
@@ -213,6 +214,7 @@ inline double rel_norm_diff(const std::vector<float>& a, const std::vector<float
 struct Degrees {
   int u, r;
   parallel::RingKv kv = parallel::RingKv::p2p;
+  int64_t min_chunk = 0;  // ContextParallelOptions::min_chunk_tokens (0: every sequence zigzag)
 };
 
 // The model on `dev` (bf16 on CUDA), the same initial values everywhere.
@@ -258,7 +260,7 @@ inline ModelRun cp_run(const nn::Qwen3Config& c, const std::vector<std::vector<i
       dg.u * dg.r,
       [&](comm::Comm& comm) {
         nn::Qwen3Model m = model_of(c, dev);
-        parallel::ContextParallel cpar(comm, {.ulysses = dg.u, .ring_kv = dg.kv});
+        parallel::ContextParallel cpar(comm, {.ulysses = dg.u, .ring_kv = dg.kv, .min_chunk_tokens = dg.min_chunk});
         m.set_sequence_attention(&cpar);
         nn::zero_grad(m);
         const parallel::CpPlan& plan = cpar.plan(cu);

@@ -63,6 +63,29 @@ TEST_CASE("CpPlan: zigzag chunks, Ulysses parts, padding at each sequence's end"
   }
 }
 
+TEST_CASE("CpPlan: short sequences stay whole on the ring rank with the fewest rows, padding evens the rows") {
+  // Ring 2, min chunk 4: a sequence splits when it has >= 2r * 4 = 16 tokens.
+  // 40 splits (20 rows per ring rank); 10 goes whole to rank 0 (tie: the
+  // first), 3 to rank 1; rank 1's padding entry takes 30 - 23 = 7 rows.
+  const std::vector<int32_t> cu = cu_of({10, 3, 40});
+  const auto p0 = parallel::CpPlan::make(cu, 1, 2, 0, 4), p1 = parallel::CpPlan::make(cu, 1, 2, 1, 4);
+  CHECK(p0.owner == std::vector<int>{0, 1, -1, 0, 1});
+  CHECK(p0.ring_rows == std::vector<std::vector<int32_t>>{{10, 0}, {0, 3}, {20, 20}, {0, 0}, {0, 7}});
+  CHECK(p0.local_tokens() == 30);
+  CHECK(p1.local_tokens() == 30);
+  CHECK(p0.cu_local == std::vector<int32_t>{0, 10, 10, 30, 30, 30});
+  CHECK(p1.cu_local == std::vector<int32_t>{0, 0, 3, 23, 23, 30});
+  std::vector<int> seen(std::size_t(cu.back()), 0);
+  for (const auto* p : {&p0, &p1})
+    for (int64_t g : p->rows)
+      if (g >= 0) ++seen[std::size_t(g)];
+  CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+  // Ulysses 2 x ring 2: a whole sequence is cut into 2 parts on its owner.
+  const auto q = parallel::CpPlan::make(cu_of({6}), 2, 2, 1, 4);  // ring rank 0, Ulysses rank 1
+  CHECK(q.rows == std::vector<int64_t>{3, 4, 5});
+  CHECK(q.positions == std::vector<int32_t>{3, 4, 5});
+}
+
 TEST_CASE("ContextParallel attention equals one attention over the batch (f32, CPU)") {
   const std::vector<OpShape> shapes = {
       {{1, 7, 33, 2, 64}, 4, 2, 8},  // odd lengths, a one-token sample, samples shorter than cp
@@ -70,15 +93,22 @@ TEST_CASE("ContextParallel attention equals one attention over the batch (f32, C
       {{3, 200, 1, 17}, 8, 4, 16},   // very different lengths
   };
   constexpr auto gather = parallel::RingKv::all_gather;
+  constexpr auto p2p = parallel::RingKv::p2p;
+  // min chunk 0: every sequence zigzag; 4: sequences shorter than 8 r stay
+  // whole on one ring rank (a mix of both, and the padding entries); 1000:
+  // every sequence whole.
   for (const Degrees dg :
        {Degrees{1, 2}, Degrees{2, 1}, Degrees{1, 4}, Degrees{4, 1}, Degrees{2, 2}, Degrees{1, 3}, Degrees{1, 2, gather},
-        Degrees{1, 4, gather}, Degrees{2, 2, gather}, Degrees{1, 3, gather}}) {
+        Degrees{1, 4, gather}, Degrees{2, 2, gather}, Degrees{1, 3, gather}, Degrees{1, 2, p2p, 4},
+        Degrees{1, 4, p2p, 4}, Degrees{2, 2, p2p, 4}, Degrees{1, 3, p2p, 4}, Degrees{1, 4, gather, 4},
+        Degrees{2, 2, gather, 4}, Degrees{1, 2, p2p, 1000}, Degrees{2, 2, gather, 1000}}) {
     for (const OpShape& s : shapes) {
       if (s.hkv % dg.u != 0 || s.hq % dg.u != 0) continue;  // Ulysses needs the heads to divide (errors below)
       INFO("ulysses " << dg.u << " x ring " << dg.r
-                      << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : "") << ", hq " << s.hq
-                      << ", hkv " << s.hkv << ", " << s.lengths.size() << " sequences");
-      const auto res = run_attention_op(s, dg.u, dg.r, dg.kv);
+                      << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : "") << ", min chunk "
+                      << dg.min_chunk << ", hq " << s.hq << ", hkv " << s.hkv << ", " << s.lengths.size()
+                      << " sequences");
+      const auto res = run_attention_op(s, dg.u, dg.r, dg.kv, Device::cpu(), DType::f32, 1, dg.min_chunk);
       // Largest difference / largest reference magnitude, per tensor.
       slime_test::cp::check_op(res, 1e-6, 1e-6);
     }
@@ -94,11 +124,12 @@ TEST_CASE("Qwen3 with context parallelism: loss, logprobs and gradients equal th
   for (const bool moe : {false, true}) {
     const nn::Qwen3Config c = slime_test::fsdp::tiny_config(/*tied=*/false, moe);
     const ModelRun ref = reference_run(c, seqs, targets);
-    for (const Degrees dg :
-         {Degrees{1, 2}, Degrees{2, 1}, Degrees{1, 4}, Degrees{2, 2}, Degrees{1, 2, parallel::RingKv::all_gather},
-          Degrees{2, 2, parallel::RingKv::all_gather}}) {
+    for (const Degrees dg : {Degrees{1, 2}, Degrees{2, 1}, Degrees{1, 4}, Degrees{2, 2},
+                             Degrees{1, 2, parallel::RingKv::all_gather}, Degrees{2, 2, parallel::RingKv::all_gather},
+                             Degrees{1, 4, parallel::RingKv::p2p, 1}, Degrees{2, 2, parallel::RingKv::all_gather, 1}}) {
       INFO((moe ? "moe" : "dense") << ", ulysses " << dg.u << " x ring " << dg.r
-                                   << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : ""));
+                                   << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : "")
+                                   << ", min chunk " << dg.min_chunk);
       const ModelRun run = cp_run(c, seqs, targets, dg);
       CHECK(std::abs(run.loss - ref.loss) <= 1e-6 * std::abs(ref.loss));
       REQUIRE(run.logprobs.size() == ref.logprobs.size());

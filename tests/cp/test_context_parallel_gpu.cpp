@@ -33,9 +33,10 @@ TEST_CASE("ContextParallel attention on CUDA (bf16) equals one attention over th
     for (const OpShape& s : shapes) {
       if (s.hkv % dg.u != 0 || s.hq % dg.u != 0) continue;
       INFO("ulysses " << dg.u << " x ring " << dg.r
-                      << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : "") << ", hq " << s.hq
-                      << ", hkv " << s.hkv << ", d " << s.d);
-      const auto res = slime_test::cp::run_attention_op(s, dg.u, dg.r, dg.kv, Device::cuda(0), DType::bf16);
+                      << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : "") << ", min chunk "
+                      << dg.min_chunk << ", hq " << s.hq << ", hkv " << s.hkv << ", d " << s.d);
+      const auto res =
+          slime_test::cp::run_attention_op(s, dg.u, dg.r, dg.kv, Device::cuda(0), DType::bf16, 1, dg.min_chunk);
       // bf16 outputs (8 bits of mantissa) of f32-accumulating kernels,
       // relative to each tensor's largest magnitude.
       slime_test::cp::check_op(res, 1e-2, 2e-2);
@@ -55,8 +56,8 @@ TEST_CASE("Qwen3 with context parallelism on CUDA (bf16) matches the model on on
   const Device gpu = Device::cuda(0);
   const auto ref = slime_test::cp::reference_run(c, seqs, targets, gpu);
   for (const Degrees dg : {Degrees{1, 2}, Degrees{2, 1}, Degrees{2, 2}, Degrees{1, 2, parallel::RingKv::all_gather}}) {
-    INFO("ulysses " << dg.u << " x ring " << dg.r
-                    << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : ""));
+    INFO("ulysses " << dg.u << " x ring " << dg.r << (dg.kv == parallel::RingKv::all_gather ? " (all-gather K/V)" : "")
+                    << ", min chunk " << dg.min_chunk);
     const auto run = slime_test::cp::cp_run(c, seqs, targets, dg, gpu);
     CHECK(std::abs(run.loss - ref.loss) <= 1e-2 * std::abs(ref.loss));
     REQUIRE(run.logprobs.size() == ref.logprobs.size());

@@ -92,7 +92,8 @@ struct Case {
   comm::MeshShape mesh;
   nn::Qwen3Config config;
   int ulysses = 1;
-  int multiple = 1;         // batch_of's
+  int multiple = 1;  // batch_of's
+  int64_t min_chunk = ContextParallelOptions{}.min_chunk_tokens;
   bool via_module = false;  // set the sequence attention through Sharded::module()
   // avg: each rank normalises by its data rank's batch (the mean of the
   // data ranks' mean losses) or by the global weight sum / data ranks (the
@@ -105,8 +106,10 @@ struct Case {
     ulysses = u;
     return *this;
   }
+  // Lengths multiples of m, every sequence split (zigzag): no cp padding.
   Case& with_multiple(int m) {
     multiple = m;
+    min_chunk = 0;
     return *this;
   }
   Case& through_module() {
@@ -184,7 +187,7 @@ Result sharded_run(const Case& c) {
                   ep = mesh.size(Axis::ep);
         std::optional<parallel::ExpertParallel<>> expert;
         if (ep > 1) expert.emplace(mesh, kExperts);
-        parallel::ContextParallel cpar(mesh.comm(Axis::cp), {.ulysses = c.ulysses});
+        parallel::ContextParallel cpar(mesh.comm(Axis::cp), {.ulysses = c.ulysses, .min_chunk_tokens = c.min_chunk});
         // The same values as the reference's (init_random draws expert
         // slices at their global offsets).
         nn::Qwen3Model model(c.config, {}, expert ? &*expert : nullptr);
@@ -338,8 +341,9 @@ TEST_CASE("Sharded with ContextParallel: avg divides by the data-parallel ranks,
 }
 
 TEST_CASE("Sharded with ContextParallel: the MoE aux loss covers every cp rank's rows", "[cp][fsdp][moe]") {
-  // Batches without cp padding (lengths multiples of 2 x ring = 4): the
-  // statistics of every rank's rows are then exactly the batch's tokens.
+  // Batches without cp padding (lengths multiples of 2 x ring = 4, every
+  // sequence zigzag: no padding entries either): the statistics of every
+  // rank's rows are then exactly the batch's tokens.
   nn::Qwen3Config c = moe_config();
   c.output_router_logits = true;
   c.router_aux_loss_coef = 0.1;  // large enough to move the parameters

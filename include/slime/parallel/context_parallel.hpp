@@ -16,7 +16,12 @@
 // each owned chunk is cut into u equal parts and Ulysses rank k holds part k
 // of each. Rank's rows, per sequence in batch order: [part k of chunk i |
 // part k of chunk 2r-1-i]; all ranks hold the same number of rows, p_b / cp
-// per sequence. Padding sits after the sequence's last token, so causal
+// per sequence. A sequence too short for its 2r chunks to fill the kernels'
+// tiles (ContextParallelOptions::min_chunk_tokens) stays whole on one ring
+// rank instead (cut into its u Ulysses parts there, padded to a multiple of
+// u), the ring rank with the fewest rows so far, longest first; one padding
+// entry per ring rank then evens out the ranks' rows. Padding sits after
+// the sequence's last token (or in an entry of its own), so causal
 // attention never lets a real token see it; give padding rows loss weight 0
 // (CpPlan::take with a pad value). Positions are the rows' positions in
 // their sequence (RoPE as without cp).
@@ -30,10 +35,12 @@
 //
 // Ring (r > 1), zigzag, varlen: at step s (0 .. r-1) ring rank i holds the
 // K/V block of ring rank j = (i - s) mod r and computes one block attention:
-//   j == i: its queries over its keys, causal (both chunks in order)
+//   j == i: its queries over its keys, causal (both chunks in order; whole
+//           sequences whole)
 //   j <  i: its queries over the first chunk of j's keys, no mask (chunk j
 //           precedes both of i's chunks; chunk 2r-1-j follows both)
 //   j >  i: its second chunk's queries over both of j's chunks, no mask
+// (a whole sequence's rows take part only in its owner's j == i block)
 // with each sequence's rows described by cu_seqlens (sequences of zero
 // queries or zero keys fill the gaps, so no block is copied and no attention
 // crosses samples). Partial (o, lse) merge into an f32 accumulator
@@ -50,7 +57,8 @@
 // (Sharded on a mesh with cp > 1 shards over dp_shard x cp). MoE routing is
 // per token; the load-balancing statistics count padding rows too (their
 // hidden states route like any token), so the aux loss with cp > 1 differs
-// from cp = 1 by the padding rows' share.
+// from cp = 1 by the padding rows' share (none when every sequence is split
+// and its length a multiple of the layout's).
 //
 // Costs per layer and rank (T = this rank's tokens): Ulysses moves q, k, v
 // and o (and dO, dq, dk, dv in backward) through one all_to_all each,
@@ -62,6 +70,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,16 +92,21 @@ struct CpPlan {
   int ulysses = 1, ring = 1, rank = 0;  // rank on the cp axis
   std::vector<int32_t> cu_global;       // the whole batch's cu_seqlens [B + 1]
   std::vector<int64_t> padded;          // [B] padded sequence lengths p_b
-  std::vector<int32_t> cu_local;        // [B + 1] this rank's rows per sequence, cumulated
-  std::vector<int64_t> rows;            // [T_local] the global row of each local row, -1: padding
-  std::vector<int32_t> positions;       // [T_local] each local row's position in its sequence
+  // Entries: the B sequences, then (only when some sequence is whole) one
+  // padding entry per ring rank that evens out the ranks' rows.
+  std::vector<int> owner;                       // [entries] -1: split over the ring, else the ring rank holding it
+  std::vector<std::vector<int32_t>> ring_rows;  // [entries][ring]: a ring rank's rows of the entry (u T in all)
+  std::vector<int32_t> cu_local;                // [entries + 1] this rank's rows per entry, cumulated
+  std::vector<int64_t> rows;                    // [T_local] the global row of each local row, -1: padding
+  std::vector<int32_t> positions;               // [T_local] each local row's position in its sequence
 
   int size() const { return ulysses * ring; }
   int64_t local_tokens() const { return int64_t(rows.size()); }
   int64_t num_sequences() const { return int64_t(padded.size()); }
+  int64_t num_entries() const { return int64_t(owner.size()); }
   int ring_rank() const { return rank / ulysses; }
   int ulysses_rank() const { return rank % ulysses; }
-  // Every sequence's padded length is a multiple of this.
+  // Every split sequence's padded length is a multiple of this.
   static int64_t multiple(int ulysses, int ring) { return ring > 1 ? int64_t(2) * ring * ulysses : ulysses; }
 
   // This rank's values of a per-token vector of the whole batch; padding rows get `pad`.
@@ -107,31 +121,85 @@ struct CpPlan {
   }
 
   // The plan of cp rank `rank` for a batch with cu_seqlens `cu` (host, [B + 1]).
-  static CpPlan make(const std::vector<int32_t>& cu, int ulysses, int ring, int rank) {
+  // With ring > 1, a sequence is split (zigzag) when each of its 2r chunks
+  // gets at least `min_chunk_tokens` tokens; a shorter one stays whole on one
+  // ring rank (split only into Ulysses parts), the rank with the fewest rows
+  // so far, longest first: its chunks would fill a fraction of the attention
+  // kernel's tiles, and its K/V need not reach other ranks. 0: split every
+  // sequence.
+  static CpPlan make(const std::vector<int32_t>& cu, int ulysses, int ring, int rank, int64_t min_chunk_tokens = 0) {
     SLIME_CHECK(ulysses >= 1 && ring >= 1, "CpPlan: ulysses and ring degrees must be >= 1, got ", ulysses, " and ",
                 ring);
     SLIME_CHECK(rank >= 0 && rank < ulysses * ring, "CpPlan: rank ", rank, " out of range for cp = ", ulysses * ring);
     SLIME_CHECK(cu.size() >= 2 && cu.front() == 0, "CpPlan: cu_seqlens must start at 0 and hold at least one sequence");
+    SLIME_CHECK(min_chunk_tokens >= 0, "CpPlan: min_chunk_tokens must be >= 0, got ", min_chunk_tokens);
     CpPlan p;
     p.ulysses = ulysses;
     p.ring = ring;
     p.rank = rank;
     p.cu_global = cu;
-    const int64_t m = multiple(ulysses, ring), chunks = ring > 1 ? 2 * ring : 1;
+    const int64_t B = int64_t(cu.size()) - 1, m = multiple(ulysses, ring), chunks = ring > 1 ? 2 * ring : 1;
+    // Which sequences split, and where the whole ones go (the same on every rank).
+    std::vector<int64_t> n(static_cast<std::size_t>(B));
+    for (int64_t b = 0; b < B; ++b) {
+      n[std::size_t(b)] = int64_t(cu[std::size_t(b) + 1]) - cu[std::size_t(b)];
+      SLIME_CHECK(n[std::size_t(b)] >= 1, "CpPlan: sequence ", b, " has ", n[std::size_t(b)],
+                  " tokens; every sequence needs at least one");
+    }
+    p.owner.assign(std::size_t(B), -1);
+    std::vector<int64_t> load(std::size_t(ring), 0), whole;
+    for (int64_t b = 0; b < B; ++b) {
+      if (ring > 1 && n[std::size_t(b)] < chunks * min_chunk_tokens) {
+        whole.push_back(b);
+        p.padded.push_back((n[std::size_t(b)] + ulysses - 1) / ulysses * ulysses);
+      } else {
+        p.padded.push_back((n[std::size_t(b)] + m - 1) / m * m);
+        for (int64_t& l : load) l += p.padded.back() / ring;
+      }
+    }
+    std::stable_sort(whole.begin(), whole.end(),
+                     [&](int64_t a, int64_t b) { return n[std::size_t(a)] > n[std::size_t(b)]; });
+    for (int64_t b : whole) {
+      const int o = int(std::min_element(load.begin(), load.end()) - load.begin());
+      p.owner[std::size_t(b)] = o;
+      load[std::size_t(o)] += p.padded[std::size_t(b)];
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      std::vector<int32_t> rr(std::size_t(ring), 0);
+      for (int j = 0; j < ring; ++j)
+        rr[std::size_t(j)] = int32_t(p.owner[std::size_t(b)] < 0    ? p.padded[std::size_t(b)] / ring
+                                     : p.owner[std::size_t(b)] == j ? p.padded[std::size_t(b)]
+                                                                    : 0);
+      p.ring_rows.push_back(rr);
+    }
+    if (!whole.empty()) {  // even out the ring ranks' rows (multiples of u)
+      const int64_t most = *std::max_element(load.begin(), load.end());
+      for (int j = 0; j < ring; ++j) {
+        std::vector<int32_t> rr(std::size_t(ring), 0);
+        rr[std::size_t(j)] = int32_t(most - load[std::size_t(j)]);
+        p.owner.push_back(j);
+        p.ring_rows.push_back(rr);
+      }
+    }
+    // This rank's rows, entry by entry.
     const int i = p.ring_rank(), k = p.ulysses_rank();
-    const std::vector<int64_t> own = ring > 1 ? std::vector<int64_t>{i, 2 * ring - 1 - i} : std::vector<int64_t>{0};
     p.cu_local.push_back(0);
-    for (std::size_t b = 0; b + 1 < cu.size(); ++b) {
-      const int64_t n = int64_t(cu[b + 1]) - cu[b];
-      SLIME_CHECK(n >= 1, "CpPlan: sequence ", b, " has ", n, " tokens; every sequence needs at least one");
-      const int64_t pb = (n + m - 1) / m * m, chunk = pb / chunks, part = chunk / ulysses;
-      p.padded.push_back(pb);
-      for (int64_t c : own)
-        for (int64_t t = 0; t < part; ++t) {
-          const int64_t pos = c * chunk + k * part + t;
-          p.rows.push_back(pos < n ? cu[b] + pos : -1);
-          p.positions.push_back(int32_t(pos));
-        }
+    for (int64_t e = 0; e < p.num_entries(); ++e) {
+      const int o = p.owner[std::size_t(e)];
+      const int64_t base = e < B ? cu[std::size_t(e)] : 0, len = e < B ? n[std::size_t(e)] : 0;
+      const auto put = [&](int64_t pos) {
+        p.rows.push_back(pos < len ? base + pos : -1);
+        p.positions.push_back(int32_t(pos));
+      };
+      if (o < 0) {  // zigzag: part k of chunks i and 2r-1-i
+        const int64_t chunk = p.padded[std::size_t(e)] / chunks, part = chunk / ulysses;
+        const std::vector<int64_t> own = ring > 1 ? std::vector<int64_t>{i, 2 * ring - 1 - i} : std::vector<int64_t>{0};
+        for (int64_t c : own)
+          for (int64_t t = 0; t < part; ++t) put(c * chunk + k * part + t);
+      } else if (o == i) {  // whole here: part k of it
+        const int64_t part = p.ring_rows[std::size_t(e)][std::size_t(i)] / ulysses;
+        for (int64_t t = 0; t < part; ++t) put(k * part + t);
+      }
       SLIME_CHECK(int64_t(p.rows.size()) < (int64_t(1) << 31), "CpPlan: more than 2^31 - 1 rows on one rank");
       p.cu_local.push_back(int32_t(p.rows.size()));
     }
@@ -147,47 +215,62 @@ struct RingBlock {
   bool causal = false;
 };
 
-// The three block kinds of ring rank i's schedule (see the top of the file)
-// for plan `p`, over the ring rank's rows (u parts of each owned chunk, in
-// order; u T rows in all): `self` (j == i: causal over its own rows; also the
-// whole attention when ring == 1), `before` (j < i: every query over the
-// first chunk of the block) and `after` (j > i: the second chunk's queries
-// over the whole block). Sequences of zero queries or zero keys fill the
-// gaps, so a block needs no copy.
+// Ring rank i's blocks (see the top of the file) for plan `p`, over the ring
+// rank's rows (entry by entry, u parts of each owned chunk in order; u T rows
+// in all): `self` (j == i: causal over its own rows; also the whole attention
+// when ring == 1) and `from[j]` (j != i): for a split sequence, j < i: every
+// query over the first chunk of j's block; j > i: the second chunk's queries
+// over the whole block; for a whole sequence (and the padding entries),
+// nothing (its rows are on one rank). Sequences of zero queries or zero keys
+// fill the gaps, so a block needs no copy.
 struct RingBlocks {
-  RingBlock self, before, after;  // before / after: defined when ring > 1
+  RingBlock self;               // j == i
+  std::vector<RingBlock> from;  // [ring]: the block of ring rank j's K/V (j != i)
 };
 inline RingBlocks ring_blocks(const CpPlan& p, Device dev, const Stream& s = {}) {
   const auto upload = [&](const std::vector<int32_t>& v) {
     return Tensor::from_vector(v, {int64_t(v.size())}, dev, s);
   };
+  const int i = p.ring_rank();
   RingBlocks out;
   std::vector<int32_t> cu_self{0};
   int64_t max_self = 0;
-  for (int64_t b = 0; b < p.num_sequences(); ++b) {
-    const int32_t len = int32_t(p.ulysses * (p.cu_local[std::size_t(b) + 1] - p.cu_local[std::size_t(b)]));
+  for (int64_t e = 0; e < p.num_entries(); ++e) {
+    const int32_t len = p.ring_rows[std::size_t(e)][std::size_t(i)];
     cu_self.push_back(cu_self.back() + len);
     max_self = std::max<int64_t>(max_self, len);
   }
   out.self.cu_q = out.self.cu_k = upload(cu_self);
   out.self.max_q = out.self.max_k = max_self;
   out.self.causal = true;
-  if (p.ring > 1) {
-    // Per sequence the ring rank holds two chunks of L rows each.
-    std::vector<int32_t> bq{0}, bk{0}, aq{0}, ak{0};
-    for (int64_t b = 0; b < p.num_sequences(); ++b) {
-      const int32_t L = (cu_self[std::size_t(b) + 1] - cu_self[std::size_t(b)]) / 2;
-      bq.push_back(bq.back() + 2 * L);  // before: every query over the first chunk,
-      bq.push_back(bq.back());          //         no query over the second
-      bk.push_back(bk.back() + L);
-      bk.push_back(bk.back() + L);
-      aq.push_back(aq.back() + L);  // after: the first chunk's queries see nothing,
-      aq.push_back(aq.back() + L);  //        the second chunk's see the whole block
-      ak.push_back(ak.back());
-      ak.push_back(ak.back() + 2 * L);
+  out.from.resize(std::size_t(p.ring));
+  for (int j = 0; j < p.ring; ++j) {
+    if (j == i) continue;
+    // Two entries per entry e: its query rows here first, its key rows of j next.
+    std::vector<int32_t> cq{0}, ck{0};
+    int64_t max_q = 0, max_k = 0;
+    const auto add = [&](int64_t q, int64_t k) {
+      cq.push_back(int32_t(cq.back() + q));
+      ck.push_back(int32_t(ck.back() + k));
+      max_q = std::max(max_q, q);
+      max_k = std::max(max_k, k);
+    };
+    for (int64_t e = 0; e < p.num_entries(); ++e) {
+      if (p.owner[std::size_t(e)] >= 0) {  // whole on one rank (or padding): nothing across ranks
+        add(p.ring_rows[std::size_t(e)][std::size_t(i)], 0);
+        add(0, p.ring_rows[std::size_t(e)][std::size_t(j)]);
+        continue;
+      }
+      const int64_t L = p.ring_rows[std::size_t(e)][std::size_t(i)] / 2;  // split: two chunks of L here and on j
+      if (j < i) {  // every query over the first chunk of j, none over its second
+        add(2 * L, L);
+        add(0, L);
+      } else {  // the first chunk's queries see nothing, the second chunk's the whole block
+        add(L, 0);
+        add(L, 2 * L);
+      }
     }
-    out.before = {upload(bq), upload(bk), max_self, max_self / 2, false};
-    out.after = {upload(aq), upload(ak), max_self / 2, max_self, false};
+    out.from[std::size_t(j)] = {upload(cq), upload(ck), max_q, max_k, false};
   }
   return out;
 }
@@ -206,6 +289,11 @@ struct ContextParallelOptions {
   // latency-bound exchanges, long ones by the gathered K/V's memory
   // (r times the rank's). Not tuned by measurement yet.
   int64_t all_gather_max_rows = 4096;
+  // A sequence is split over the ring (zigzag) only when each of its 2 x ring
+  // chunks gets at least this many tokens; shorter ones stay whole on one
+  // ring rank (CpPlan::make). The attention kernels work in 128-row query
+  // tiles: shorter chunks leave most of a tile empty. 0: split every sequence.
+  int64_t min_chunk_tokens = 256;
 };
 
 class ContextParallel final : public nn::SequenceAttention {
@@ -234,7 +322,7 @@ class ContextParallel final : public nn::SequenceAttention {
   // targets, weights, advantages...; local_batch() this rank's PackedBatch.
   const CpPlan& plan(const std::vector<int32_t>& cu, const Stream& stream = {}) {
     auto st = std::make_shared<State>();
-    st->plan = CpPlan::make(cu, u_, r_, rank());
+    st->plan = CpPlan::make(cu, u_, r_, rank(), options_.min_chunk_tokens);
     build_state(*st, stream);
     state_ = std::move(st);
     return state_->plan;
@@ -394,11 +482,11 @@ class ContextParallel final : public nn::SequenceAttention {
   void build_state(State& st, const Stream& s) const {
     const CpPlan& p = st.plan;
     const Device dev = device();
-    const int64_t T = p.local_tokens(), B = p.num_sequences(), cp = size();
+    const int64_t T = p.local_tokens(), cp = size();
     // Where each global row sits in the all-gathered buffer (rank-major).
     std::vector<int32_t> gi(std::size_t(p.cu_global.back()), -1);
     for (int r = 0; r < cp; ++r) {
-      const CpPlan pr = r == p.rank ? p : CpPlan::make(p.cu_global, u_, r_, r);
+      const CpPlan pr = r == p.rank ? p : CpPlan::make(p.cu_global, u_, r_, r, options_.min_chunk_tokens);
       for (int64_t t = 0; t < T; ++t)
         if (pr.rows[std::size_t(t)] >= 0) gi[std::size_t(pr.rows[std::size_t(t)])] = int32_t(r * T + t);
     }
@@ -421,9 +509,9 @@ class ContextParallel final : public nn::SequenceAttention {
         }
       // Ring order: per sequence, per owned chunk, part k = 0 .. u-1 (each
       // `part` rows, at the same local offset on every Ulysses rank).
-      const int64_t own = r_ > 1 ? 2 : 1;
       int64_t at = 0;
-      for (int64_t b = 0; b < B; ++b) {
+      for (int64_t b = 0; b < p.num_entries(); ++b) {
+        const int64_t own = r_ > 1 && p.owner[std::size_t(b)] < 0 ? 2 : 1;  // whole entries: one chunk
         const int64_t start = p.cu_local[std::size_t(b)];
         const int64_t part = (p.cu_local[std::size_t(b) + 1] - start) / own;
         for (int64_t c = 0; c < own; ++c)
@@ -442,45 +530,66 @@ class ContextParallel final : public nn::SequenceAttention {
     }
   }
 
-  // The all-gather variant's indices and blocks for ring rank i. Every ring
-  // rank holds, per sequence b, chunks j and 2r-1-j of L_b rows each at the
-  // same offsets (cu_self), so natural position c L_b + t of sequence b lives
-  // on ring rank j = min(c, 2r-1-c) at row cu_self[b] + (c == j ? 0 : L_b) + t.
-  // Queries of chunk i see the natural keys [0, (i+1) L_b), those of chunk
-  // 2r-1-i [0, (2r-i) L_b), both bottom-right causal: one call per chunk
-  // (the other chunk's rows are a sequence with no keys), then a merge.
+  // The all-gather variant's indices and blocks for ring rank i. Ring rank j
+  // holds entry e at rows start_j[e] (prefix sums of ring_rows[.][j]). A split
+  // sequence's natural position c L + t (L rows per chunk) lives on ring rank
+  // j = min(c, 2r-1-c) at start_j + (c == j ? 0 : L) + t; a whole one (and a
+  // padding entry) on its owner, in order. Queries of chunk i see the natural
+  // keys [0, (i+1) L), those of chunk 2r-1-i [0, (2r-i) L), a whole
+  // sequence's the whole sequence, all bottom-right causal: one call for the
+  // first chunks (and whole entries), one for the second chunks (the other
+  // rows are sequences with no keys), then a merge.
   void build_gathered(State& st, const Stream& s) const {
     const CpPlan& p = st.plan;
     const int i = p.ring_rank();
-    const int64_t rows = u_ * p.local_tokens(), B = p.num_sequences(), r = r_;
+    const int64_t rows = u_ * p.local_tokens(), E = p.num_entries(), r = r_;
+    std::vector<std::vector<int64_t>> start(std::size_t(r), std::vector<int64_t>(std::size_t(E), 0));
+    for (int64_t j = 0; j < r; ++j)
+      for (int64_t e = 1; e < E; ++e)
+        start[std::size_t(j)][std::size_t(e)] =
+            start[std::size_t(j)][std::size_t(e) - 1] + p.ring_rows[std::size_t(e) - 1][std::size_t(j)];
     std::vector<int32_t> nat(std::size_t(r * rows)), inv(std::size_t(r * rows));
     std::vector<int32_t> fq{0}, fk{0}, sq{0}, sk{0};
-    int64_t at = 0, max_l = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t start = u_ * p.cu_local[std::size_t(b)];
-      const int64_t L = u_ * (p.cu_local[std::size_t(b) + 1] - p.cu_local[std::size_t(b)]) / 2, P = 2 * r * L;
-      max_l = std::max(max_l, L);
+    int64_t at = 0, max_q = 0, max_k = 0;
+    const auto natural = [&](int64_t src) {
+      nat[std::size_t(at)] = int32_t(src);
+      inv[std::size_t(src)] = int32_t(at);
+      ++at;
+    };
+    const auto entries = [&](std::vector<int32_t>& cq, std::vector<int32_t>& ck,
+                             std::initializer_list<std::pair<int64_t, int64_t>> qk) {
+      for (const auto& [q, k] : qk) {
+        cq.push_back(int32_t(cq.back() + q));
+        ck.push_back(int32_t(ck.back() + k));
+        max_q = std::max(max_q, q);
+        max_k = std::max(max_k, k);
+      }
+    };
+    for (int64_t e = 0; e < E; ++e) {
+      const int o = p.owner[std::size_t(e)];
+      if (o >= 0) {
+        const int64_t n = p.ring_rows[std::size_t(e)][std::size_t(o)], q = p.ring_rows[std::size_t(e)][std::size_t(i)];
+        for (int64_t t = 0; t < n; ++t) natural(o * rows + start[std::size_t(o)][std::size_t(e)] + t);
+        entries(fq, fk, {{q, n}, {0, 0}, {0, 0}});
+        entries(sq, sk, {{q, 0}, {0, n}, {0, 0}});
+        continue;
+      }
+      const int64_t L = p.ring_rows[std::size_t(e)][std::size_t(i)] / 2, P = 2 * r * L;
       for (int64_t c = 0; c < 2 * r; ++c) {
         const int64_t j = std::min(c, 2 * r - 1 - c);
-        for (int64_t t = 0; t < L; ++t) {
-          const int64_t src = j * rows + start + (c == j ? 0 : L) + t;
-          nat[std::size_t(at)] = int32_t(src);
-          inv[std::size_t(src)] = int32_t(at);
-          ++at;
-        }
+        for (int64_t t = 0; t < L; ++t)
+          natural(j * rows + start[std::size_t(j)][std::size_t(e)] + (c == j ? 0 : L) + t);
       }
       const int64_t kf = (i + 1) * L, ks = (2 * r - i) * L;
-      for (const int64_t len : {L, int64_t(0), L}) fq.push_back(int32_t(fq.back() + len));
-      for (const int64_t len : {kf, P - kf, int64_t(0)}) fk.push_back(int32_t(fk.back() + len));
-      for (const int64_t len : {L, L, int64_t(0)}) sq.push_back(int32_t(sq.back() + len));
-      for (const int64_t len : {int64_t(0), ks, P - ks}) sk.push_back(int32_t(sk.back() + len));
+      entries(fq, fk, {{L, kf}, {0, P - kf}, {L, 0}});
+      entries(sq, sk, {{L, 0}, {L, ks}, {0, P - ks}});
     }
+    SLIME_CHECK(at == r * rows, "ContextParallel: the natural order covers ", at, " of ", r * rows, " rows");
     const Device dev = device();
     st.natural_index = upload(nat, dev, s);
     st.natural_inverse = upload(inv, dev, s);
-    const int64_t max_p = 2 * r * max_l;
-    st.first = {upload(fq, dev, s), upload(fk, dev, s), max_l, max_p, true};
-    st.second = {upload(sq, dev, s), upload(sk, dev, s), max_l, max_p, true};
+    st.first = {upload(fq, dev, s), upload(fk, dev, s), max_q, max_k, true};
+    st.second = {upload(sq, dev, s), upload(sk, dev, s), max_q, max_k, true};
   }
 
   // x [u T, H, d] of every ring rank, gathered in natural order: [r u T, H, d].
@@ -642,7 +751,6 @@ class ContextParallel final : public nn::SequenceAttention {
   void ring_forward(const State& st, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
                     const Tensor& lse, const Stream& s) {
     const int64_t T = q.size(0), Hq = q.size(1), d = q.size(2);
-    const int i = ring_comm_->rank();
     Tensor acc = Tensor::empty({T, Hq, d}, DType::f32, q.device(), s);
     Tensor part = Tensor::empty({T, Hq, d}, q.dtype(), q.device(), s);
     Tensor part_lse = Tensor::empty({T, Hq}, DType::f32, q.device(), s);
@@ -654,7 +762,7 @@ class ContextParallel final : public nn::SequenceAttention {
         ops::cast(part, acc, s);
         return;
       }
-      const RingBlock& blk = j < i ? st.blocks.before : st.blocks.after;
+      const RingBlock& blk = st.blocks.from[std::size_t(j)];
       ops::AttentionOptions opt;
       opt.causal = false;
       ops::attention_forward(q, kb, vb, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, part, part_lse, opt, s);
@@ -703,7 +811,7 @@ class ContextParallel final : public nn::SequenceAttention {
         ops::attention_backward(q, kb, vb, o, lse, d_o, st.blocks.self.cu_q, st.blocks.self.cu_q, st.blocks.self.max_q,
                                 st.blocks.self.max_q, dq_b, dk_b, dv_b, {}, ws, s);
       } else {
-        const RingBlock& blk = j < i ? st.blocks.before : st.blocks.after;
+        const RingBlock& blk = st.blocks.from[std::size_t(j)];
         ops::AttentionOptions opt;
         opt.causal = false;
         ops::attention_backward(q, kb, vb, o, lse, d_o, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, dq_b, dk_b, dv_b, opt,
