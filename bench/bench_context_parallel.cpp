@@ -2,7 +2,7 @@
 // (parallel/context_parallel.hpp) costs, measured on one GPU (H200, bf16):
 // three studies, each a family of rows. No PyTorch baseline.
 //
-// 1. cp/ring/<batch>/hkv<H>/r<r>/{zigzag,default}: the ring's block attentions against
+// 1. cp/ring/<batch>/hkv<H>/r<r>/{zigzag,whole256}: the ring's block attentions against
 //    one causal attention of the whole batch (ring-flash-attention's
 //    efficiency). Batches: "seq32768", one sequence of 32768 tokens;
 //    "varlen16", 16 RL-like sequences of 512 .. 4096 tokens, 9 of odd length,
@@ -930,17 +930,16 @@ void run_longest(benchmark::State& state) {
 int main(int argc, char** argv) {
   // Never NVLink multicast (shared hosts); an explicit setting is left alone.
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
-  // zigzag: every sequence split (min_chunk_tokens 0); default: ContextParallel's
-  // layout (sequences whose 2r chunks would be shorter than min_chunk_tokens
-  // stay whole on one ring rank).
-  const int64_t default_min_chunk = parallel::ContextParallelOptions{}.min_chunk_tokens;
+  // zigzag: every sequence split (min_chunk_tokens 0, the default);
+  // whole256: sequences whose 2r chunks would be shorter than 256 tokens stay
+  // whole on one ring rank.
   for (const RingBatch& batch : {one_sequence_batch(), varlen_batch()})
     for (int64_t hkv : {int64_t(16), int64_t(4)})
       for (int ring : {2, 4, 8})
-        for (const int64_t min_chunk : {int64_t(0), default_min_chunk})
+        for (const int64_t min_chunk : {int64_t(0), int64_t(256)})
           bench::register_manual(
               "cp/ring/" + batch.name + "/hkv" + std::to_string(hkv) + "/r" + std::to_string(ring) +
-                  (min_chunk == 0 ? "/zigzag" : "/default"),
+                  (min_chunk == 0 ? "/zigzag" : "/whole256"),
               [batch, hkv, ring, min_chunk](benchmark::State& st) { run_ring(st, batch, hkv, ring, min_chunk); },
               benchmark::kMillisecond, /*iterations=*/1, /*repetitions=*/1);
   for (const AttnShape& shape : ulysses_shapes())

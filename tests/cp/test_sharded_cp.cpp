@@ -112,6 +112,11 @@ struct Case {
     min_chunk = 0;
     return *this;
   }
+  // Sequences whose zigzag chunks would be shorter than m tokens stay whole.
+  Case& with_min_chunk(int64_t m) {
+    min_chunk = m;
+    return *this;
+  }
   Case& through_module() {
     via_module = true;
     return *this;
@@ -296,6 +301,9 @@ TEST_CASE("Sharded<FullShard> with ContextParallel equals the unsharded model (f
       {"dp_shard 1 x cp 4 (Ulysses 2 x ring 2)", Case(mesh_of(1, 4)).with_ulysses(2)},
       {"MoE dp_shard 2 x cp 2, no expert parallelism", Case(mesh_of(2, 2), moe_config())},
       {"MoE dp_shard 1 x cp 2 x ep 2", Case(mesh_of(1, 2, 2), moe_config())},
+      {"dp_shard 2 x cp 2, short sequences whole", Case(mesh_of(2, 2)).with_min_chunk(1)},
+      {"dp_shard 1 x cp 4 (Ulysses 2 x ring 2), short sequences whole",
+       Case(mesh_of(1, 4)).with_ulysses(2).with_min_chunk(1)},
   };
   for (const Named& n : cases) {
     INFO(n.name);

@@ -291,9 +291,11 @@ struct ContextParallelOptions {
   int64_t all_gather_max_rows = 4096;
   // A sequence is split over the ring (zigzag) only when each of its 2 x ring
   // chunks gets at least this many tokens; shorter ones stay whole on one
-  // ring rank (CpPlan::make). The attention kernels work in 128-row query
-  // tiles: shorter chunks leave most of a tile empty. 0: split every sequence.
-  int64_t min_chunk_tokens = 256;
+  // ring rank (CpPlan::make): the attention kernels work in 128-row query
+  // tiles, and shorter chunks leave most of a tile empty (the varlen rows of
+  // bench/RESULTS.md). 0 (default): split every sequence, the layout measured
+  // on the H200; the whole-sequence layout is checked on the CPU only so far.
+  int64_t min_chunk_tokens = 0;
 };
 
 class ContextParallel final : public nn::SequenceAttention {
