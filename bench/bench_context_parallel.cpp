@@ -328,8 +328,7 @@ struct RingStep {
 
 RingStep ring_step(const RingRank& rank, int i, int step, int ring) {
   const int j = (i - step + ring) % ring;
-  if (step == 0) return {&rank.blocks.self, i, "self"};
-  return {&rank.blocks.from[std::size_t(j)], j, j < i ? "before" : "after"};
+  return {&rank.blocks.of(j, i), j, j == i ? "self" : j < i ? "before" : "after"};
 }
 
 void block_forward(const RingRank& a, const RingRank& kv, const RingStep& st, const Tensor& o, const Tensor& lse,

@@ -226,6 +226,9 @@ struct RingBlock {
 struct RingBlocks {
   RingBlock self;               // j == i
   std::vector<RingBlock> from;  // [ring]: the block of ring rank j's K/V (j != i)
+
+  // The block ring rank i runs over ring rank j's K/V.
+  const RingBlock& of(int j, int i) const { return j == i ? self : from[std::size_t(j)]; }
 };
 inline RingBlocks ring_blocks(const CpPlan& p, Device dev, const Stream& s = {}) {
   const auto upload = [&](const std::vector<int32_t>& v) {
@@ -756,19 +759,20 @@ class ContextParallel final : public nn::SequenceAttention {
     Tensor acc = Tensor::empty({T, Hq, d}, DType::f32, q.device(), s);
     Tensor part = Tensor::empty({T, Hq, d}, q.dtype(), q.device(), s);
     Tensor part_lse = Tensor::empty({T, Hq}, DType::f32, q.device(), s);
+    const int i = ring_comm_->rank();
     around_the_ring(pack_kv(k, v, k.dtype(), s), s, [&](int step, const Tensor& kv, int j) {
       const Tensor kb = kv.view(0, k.shape()), vb = kv.view(k.numel(), v.shape());
-      if (step == 0) {
-        ops::attention_forward(q, kb, vb, st.blocks.self.cu_q, st.blocks.self.cu_q, st.blocks.self.max_q,
-                               st.blocks.self.max_q, part, lse, {}, s);
-        ops::cast(part, acc, s);
-        return;
-      }
-      const RingBlock& blk = st.blocks.from[std::size_t(j)];
+      const RingBlock& blk = st.blocks.of(j, i);
       ops::AttentionOptions opt;
-      opt.causal = false;
-      ops::attention_forward(q, kb, vb, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, part, part_lse, opt, s);
-      ops::merge_attention_partials(acc, lse, part, part_lse, acc, lse, s);
+      opt.causal = blk.causal;
+      // The first block (its own) starts the accumulator; the others merge in.
+      ops::attention_forward(q, kb, vb, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, part, step == 0 ? lse : part_lse, opt,
+                             s);
+      if (step == 0) {
+        ops::cast(part, acc, s);
+      } else {
+        ops::merge_attention_partials(acc, lse, part, part_lse, acc, lse, s);
+      }
     });
     ops::cast(acc, o, s);
   }
@@ -809,16 +813,11 @@ class ContextParallel final : public nn::SequenceAttention {
         exchange(kv, kv_next, comm);
       }
       const Tensor kb = kv.view(0, k.shape()), vb = kv.view(k.numel(), v.shape());
-      if (step == 0) {
-        ops::attention_backward(q, kb, vb, o, lse, d_o, st.blocks.self.cu_q, st.blocks.self.cu_q, st.blocks.self.max_q,
-                                st.blocks.self.max_q, dq_b, dk_b, dv_b, {}, ws, s);
-      } else {
-        const RingBlock& blk = st.blocks.from[std::size_t(j)];
-        ops::AttentionOptions opt;
-        opt.causal = false;
-        ops::attention_backward(q, kb, vb, o, lse, d_o, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, dq_b, dk_b, dv_b, opt,
-                                ws, s);
-      }
+      const RingBlock& blk = st.blocks.of(j, i);
+      ops::AttentionOptions opt;
+      opt.causal = blk.causal;
+      ops::attention_backward(q, kb, vb, o, lse, d_o, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k, dq_b, dk_b, dv_b, opt,
+                              ws, s);
       accumulate(dq_b, dq_acc, f32);
       accumulate(dk_b, dkv.view(0, k.shape()), f32_kv);
       accumulate(dv_b, dkv.view(k.numel(), v.shape()), f32_kv);
