@@ -6,7 +6,9 @@
 //    one causal attention of the whole batch (ring-flash-attention's
 //    efficiency). Batches: "seq32768", one sequence of 32768 tokens;
 //    "varlen16", 16 RL-like sequences of 512 .. 4096 tokens, 9 of odd length,
-//    32547 tokens (kVarlenLengths). Hq 16, Hkv 16 or 4, head_dim 128, causal;
+//    32547 tokens (kVarlenLengths); "varlen_rfa", ring-flash-attention's
+//    varlen benchmark workload at r GPUs (kRfaLengthsPerGpu x r, 24576 r
+//    tokens: its anchor figure's batch, mostly long sequences). Hq 16, Hkv 16 or 4, head_dim 128, causal;
 //    ring degree r = 2, 4, 8 (ulysses 1). The schedule is ContextParallel's
 //    (ring_forward / ring_backward), rebuilt from the public
 //    CpPlan::make(cu, 1, r, i, min_chunk) and ring_blocks(): ring rank i at step
@@ -256,6 +258,19 @@ RingBatch varlen_batch() {
   return b;
 }
 
+// ring-flash-attention's varlen benchmark workload (its
+// benchmark/benchmark_varlen_kvpacked_func.py): 8192 tokens per GPU, packed
+// as [256, 7392, 544], [4096, 4096] or [3104, 3200, 1600, 160, 128] tokens per
+// GPU, each sequence r times as long globally (its cu_seqlens x world size).
+// Here the three mixes are packed into one batch: 24576 r tokens.
+constexpr int32_t kRfaLengthsPerGpu[] = {256, 7392, 544, 4096, 4096, 3104, 3200, 1600, 160, 128};
+
+RingBatch rfa_batch(int ring) {
+  RingBatch b{"varlen_rfa", {0}};
+  for (int32_t n : kRfaLengthsPerGpu) b.cu.push_back(b.cu.back() + n * ring);
+  return b;
+}
+
 // The whole batch's inputs and its causal attention: the denominator of the
 // efficiencies and the reference of the check. Kept for the rows that share it.
 struct FullAttention {
@@ -269,7 +284,7 @@ struct FullAttention {
 std::unique_ptr<FullAttention> g_full;
 
 FullAttention& full_attention(const RingBatch& batch, int64_t heads_kv, const Stream& s) {
-  const std::string key = batch.name + "/" + std::to_string(heads_kv);
+  const std::string key = batch.name + "/" + std::to_string(heads_kv) + "/" + std::to_string(batch.cu.back());
   if (g_full && g_full->key == key) return *g_full;
   g_full.reset();
   auto f = std::make_unique<FullAttention>();
@@ -932,15 +947,19 @@ int main(int argc, char** argv) {
   // zigzag: every sequence split (min_chunk_tokens 0, the default);
   // whole256: sequences whose 2r chunks would be shorter than 256 tokens stay
   // whole on one ring rank.
-  for (const RingBatch& batch : {one_sequence_batch(), varlen_batch()})
+  for (int batch_kind = 0; batch_kind < 3; ++batch_kind)
     for (int64_t hkv : {int64_t(16), int64_t(4)})
       for (int ring : {2, 4, 8})
-        for (const int64_t min_chunk : {int64_t(0), int64_t(256)})
+        for (const int64_t min_chunk : {int64_t(0), int64_t(256)}) {
+          const RingBatch batch = batch_kind == 0   ? one_sequence_batch()
+                                  : batch_kind == 1 ? varlen_batch()
+                                                    : rfa_batch(ring);
           bench::register_manual(
               "cp/ring/" + batch.name + "/hkv" + std::to_string(hkv) + "/r" + std::to_string(ring) +
                   (min_chunk == 0 ? "/zigzag" : "/whole256"),
               [batch, hkv, ring, min_chunk](benchmark::State& st) { run_ring(st, batch, hkv, ring, min_chunk); },
               benchmark::kMillisecond, /*iterations=*/1, /*repetitions=*/1);
+        }
   for (const AttnShape& shape : ulysses_shapes())
     for (int64_t seq : kUlyssesSeqLens)
       for (int u : kUlyssesDegrees)
@@ -957,6 +976,12 @@ int main(int argc, char** argv) {
       lengths += std::to_string(n);
     }
     benchmark::AddCustomContext("ring_varlen16_lengths", lengths);
+    std::string rfa;
+    for (int32_t n : kRfaLengthsPerGpu) {
+      if (!rfa.empty()) rfa += ',';
+      rfa += std::to_string(n);
+    }
+    benchmark::AddCustomContext("ring_varlen_rfa_lengths", rfa + " (x r)");
     benchmark::AddCustomContext("ring_shape", "Hq 16, Hkv 16 or 4, head_dim 128, bf16, causal");
     benchmark::AddCustomContext("ulysses_shapes",
                                 "moe: bench_models.hpp moe_config() 16/4 heads, head_dim 64, hidden 1024; a3b: "
