@@ -295,9 +295,11 @@ struct ContextParallelOptions {
   // A sequence is split over the ring (zigzag) only when each of its 2 x ring
   // chunks gets at least this many tokens; shorter ones stay whole on one
   // ring rank (CpPlan::make): the attention kernels work in 128-row query
-  // tiles, and shorter chunks leave most of a tile empty (the varlen rows of
-  // bench/RESULTS.md). 0 (default): split every sequence, the layout measured
-  // on the H200; the whole-sequence layout is checked on the CPU only so far.
+  // tiles, and shorter chunks leave most of a tile empty. 0 (default): split
+  // every sequence. Measured on the H200 (bench/RESULTS.md, cp/ring rows
+  // whole256): 256 is no better than 0 and worse at r = 4 and 8 on short
+  // sequences (its balancing padding and the whole sequences' causal blocks
+  // cost more than the chunks' empty tile rows), so it stays opt-in.
   int64_t min_chunk_tokens = 0;
 };
 
