@@ -8,7 +8,7 @@ set -euo pipefail
 
 need_cmake="3.28"   # first cmake we rely on for CUDA + C++20 (bookworm's 3.25 cannot)
 pkgs_backports=(cmake catch2)
-pkgs_main=(ninja-build libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev python3)
+pkgs_main=(ninja-build libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev python3 libpng-dev libjpeg62-turbo-dev)
 
 version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
 
