@@ -27,6 +27,8 @@ if [ "${ID:-}" != "debian" ] || [ "${VERSION_CODENAME:-}" != "bookworm" ]; then
   echo "install-deps: not Debian bookworm (${PRETTY_NAME:-unknown}); installing nothing."
   have_cmake && echo "  cmake: $(cmake --version | head -n1)" || echo "  cmake >= $need_cmake: NOT FOUND"
   have_catch2_v3 && echo "  Catch2 v3: found" || echo "  Catch2 v3: not found in /usr or /usr/local (CMAKE_PREFIX_PATH may still find it)"
+  { [ -f /usr/include/png.h ] && [ -f /usr/include/jpeglib.h ]; } && echo "  libpng, libjpeg: found" \
+    || echo "  libpng/libjpeg headers: not found (slime builds without PNG/JPEG decoding; image tests skip)"
   exit 0
 fi
 

@@ -54,14 +54,6 @@ const char* file_kind(mode_t mode) {
   return "not a regular file";
 }
 
-void check_size(int64_t height, int64_t width, const ImageReadOptions& o, const std::string& name) {
-  SLIME_CHECK(height > 0 && width > 0, "image '", name, "' has size ", height, "x", width, " (height x width)");
-  SLIME_CHECK(height <= o.max_side && width <= o.max_side, "image '", name, "' is ", height, "x", width,
-              " (height x width): a side exceeds max_side = ", o.max_side);
-  SLIME_CHECK(height * width <= o.max_pixels, "image '", name, "' is ", height, "x", width, " = ", height * width,
-              " pixels, more than max_pixels = ", o.max_pixels);
-}
-
 }  // namespace
 
 std::vector<uint8_t> read_regular_file(const std::filesystem::path& path, int64_t max_file_bytes, const char* what) {
@@ -123,6 +115,14 @@ Image decode_image(std::span<const uint8_t>, const std::string& name, const Imag
 bool images_supported() { return true; }
 
 namespace {
+
+void check_size(int64_t height, int64_t width, const ImageReadOptions& o, const std::string& name) {
+  SLIME_CHECK(height > 0 && width > 0, "image '", name, "' has size ", height, "x", width, " (height x width)");
+  SLIME_CHECK(height <= o.max_side && width <= o.max_side, "image '", name, "' is ", height, "x", width,
+              " (height x width): a side exceeds max_side = ", o.max_side);
+  SLIME_CHECK(height * width <= o.max_pixels, "image '", name, "' is ", height, "x", width, " = ", height * width,
+              " pixels, more than max_pixels = ", o.max_pixels);
+}
 
 // Colour c of alpha a over opaque white, round((c * a + 255 * (255 - a)) / 255):
 // equal, for all 65,536 (c, a), to PIL's alpha_composite onto a white image,

@@ -21,7 +21,8 @@
 // the whole pipeline against transformers' pixel_values (fixture made by
 // tools/make_qwen3_vl_image_fixture.py; the measured difference is stated
 // there and in docs/images.md). PIL's bicubic (transformers' "pil" backend)
-// uses 22-bit weights and differs from it by one uint8 level in places.
+// differs: it resamples a shrinking axis first and uses 22-bit weights, so
+// its pixel_values differ by up to 13 uint8 levels at hard edges.
 //
 // pixel_values layout, per image, concatenated over images:
 //   [grid_t * grid_h * grid_w, C * T * P * P]      C = 3, T = temporal_patch_size, P = patch_size
