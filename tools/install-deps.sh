@@ -8,7 +8,7 @@ set -euo pipefail
 
 need_cmake="3.28"   # first cmake we rely on for CUDA + C++20 (bookworm's 3.25 cannot)
 pkgs_backports=(cmake catch2)
-pkgs_main=(ninja-build libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev python3)
+pkgs_main=(ninja-build libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev python3 libpng-dev libjpeg62-turbo-dev)
 
 version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
 
@@ -27,6 +27,8 @@ if [ "${ID:-}" != "debian" ] || [ "${VERSION_CODENAME:-}" != "bookworm" ]; then
   echo "install-deps: not Debian bookworm (${PRETTY_NAME:-unknown}); installing nothing."
   have_cmake && echo "  cmake: $(cmake --version | head -n1)" || echo "  cmake >= $need_cmake: NOT FOUND"
   have_catch2_v3 && echo "  Catch2 v3: found" || echo "  Catch2 v3: not found in /usr or /usr/local (CMAKE_PREFIX_PATH may still find it)"
+  { [ -f /usr/include/png.h ] && [ -f /usr/include/jpeglib.h ]; } && echo "  libpng, libjpeg: found" \
+    || echo "  libpng/libjpeg headers: not found (slime builds without PNG/JPEG decoding; image tests skip)"
   exit 0
 fi
 
