@@ -13,6 +13,9 @@
 //                 traffic for B resident blocks, not counted: ~2% at
 //                 16384 x 4096 with 2 blocks on each of 132 SMs)
 //   rope_fwd/bwd  T x (Hq + Hk) x d   read and write q and k; read positions
+//   mrope_fwd     the same with Qwen3-VL's interleaved MRoPE (3 positions per
+//                 token); its torch row is HF's apply_rotary_pos_emb with the
+//                 MRoPE cos / sin (computed once per forward there, as here)
 //                                     2 * 2T(Hq + Hk)d + 4T
 //   swiglu_fwd    T x F   fused gate_up [T, 2F] read, h written   3 * 2TF
 //   swiglu_bwd    T x F   gate_up, dh read; dgate_up written      5 * 2TF
@@ -188,6 +191,42 @@ Case rope_case(const Stream& s, bool backward) {
   return c;
 }
 
+// Qwen3-VL's interleaved MRoPE (sections 24 / 20 / 20): the same traffic as
+// rope plus two more position reads per token; positions (t, h, w) differ
+// per axis, as for image tokens.
+Case mrope_case(const Stream& s) {
+  const int64_t T = kTokens, Hq = 32, Hk = 4, d = 128;
+  const ops::RopeSpec spec = ops::RopeSpec::mrope(kTheta, {24, 20, 20});
+  struct Bufs {
+    Tensor q, k, qo, ko, pos;
+    std::vector<int32_t> host_pos;
+  };
+  auto b = std::make_shared<Bufs>();
+  b->q = randn({T, Hq, d}, s, 31);
+  b->k = randn({T, Hk, d}, s, 32);
+  b->qo = Tensor::empty({T, Hq, d}, DType::bf16, gpu(), s);
+  b->ko = Tensor::empty({T, Hk, d}, DType::bf16, gpu(), s);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t a = 0; a < 3; ++a) b->host_pos.push_back(int32_t(t % 4096 + (a == 0 ? 0 : (t * (a + 1)) % 64)));
+  b->pos = Tensor::from_vector(b->host_pos, {T, 3}, gpu(), s);
+  Case c;
+  c.bytes = 2.0 * 2.0 * double(T) * double(Hq + Hk) * double(d) + 12.0 * double(T);
+  c.launch = [b, spec](const Stream& st) { ops::rope_forward(b->q, b->k, b->pos, spec, b->qo, b->ko, st); };
+  c.check = [b, T, Hq, d, spec, launch = c.launch](const Stream& st) -> std::string {
+    b->qo.fill_bytes_(0xff, st);
+    launch(st);
+    for (int64_t t : {int64_t(0), int64_t(4095), int64_t(4096), T - 1}) {
+      const std::vector<BFloat16> q = host_row(b->q, t, st);
+      std::vector<BFloat16> want(q.size());
+      ops::cpu::rope_rotate(q.data(), &b->host_pos[std::size_t(3 * t)], 1, Hq, d, spec, 1, want.data());
+      const double err = rel_err(host_row(b->qo, t, st), want);
+      if (!(err <= 4e-3)) return slime::detail::concat("correctness check failed: token ", t, " relative error ", err);
+    }
+    return "";
+  };
+  return c;
+}
+
 Case swiglu_case(const Stream& s, int64_t F, bool backward) {
   const int64_t T = kTokens;
   struct Bufs {
@@ -289,6 +328,7 @@ int main(int argc, char** argv) {
   const std::string rope_shape = std::to_string(kTokens) + "x36x128";
   add_benchmark("rope_fwd/" + rope_shape + "/bf16", [](const Stream& s) { return rope_case(s, false); });
   add_benchmark("rope_bwd/" + rope_shape + "/bf16", [](const Stream& s) { return rope_case(s, true); });
+  add_benchmark("mrope_fwd/" + rope_shape + "/bf16", [](const Stream& s) { return mrope_case(s); });
   const std::string swiglu_shape = std::to_string(kTokens) + "x4096";
   add_benchmark("swiglu_fwd/" + swiglu_shape + "/bf16", [](const Stream& s) { return swiglu_case(s, 4096, false); });
   add_benchmark("swiglu_bwd/" + swiglu_shape + "/bf16", [](const Stream& s) { return swiglu_case(s, 4096, true); });

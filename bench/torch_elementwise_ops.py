@@ -139,6 +139,32 @@ def make_cases(device):
     cases.append((f"rope_fwd/{T}x{Hq + Hk}x{d}/bf16", rope_bytes, rope_setup))
     cases.append((f"rope_bwd/{T}x{Hq + Hk}x{d}/bf16", rope_bytes, lambda: rope_setup(True)))
 
+    def mrope_setup():
+        # transformers' Qwen3VLTextRotaryEmbedding (interleaved, sections
+        # 24 / 20 / 20) gives cos / sin once per forward; each layer then runs
+        # apply_rotary_pos_emb, which is what is timed.
+        q, k = randn(T, Hq, d, seed=31), randn(T, Hk, d, seed=32)
+        t = torch.arange(T, device=device)
+        pos3 = torch.stack([t % 4096, t % 4096 + (t * 2) % 64, t % 4096 + (t * 3) % 64])
+        inv_freq = 1.0 / (THETA ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)).to(device)
+        freqs = pos3.float()[:, :, None] * inv_freq[None, None, :]  # [3, T, d/2]
+        f = freqs[0].clone()
+        for axis, offset in ((1, 1), (2, 2)):
+            f[:, offset:[24, 20, 20][axis] * 3:3] = freqs[axis][:, offset:[24, 20, 20][axis] * 3:3]
+        emb = torch.cat((f, f), dim=-1)
+        cos, sin = emb.cos().to(bf16)[:, None, :], emb.sin().to(bf16)[:, None, :]
+        toks = torch.tensor([0, 4095, 4096, T - 1], device=device)
+        run = lambda: apply_rotary_pos_emb(q, k, cos, sin)
+
+        def check():
+            ang = torch.cat((f, f), -1)[toks].double()
+            xd = q.double()[toks]
+            return rel_err(run()[0][toks], xd * ang.cos()[:, None] + rotate_half(xd) * ang.sin()[:, None])
+
+        return run, check
+
+    cases.append((f"mrope_fwd/{T}x{Hq + Hk}x{d}/bf16", rope_bytes + 8 * T, mrope_setup))
+
     Fdim = 4096
 
     def swiglu_setup(backward=False):

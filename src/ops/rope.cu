@@ -6,8 +6,10 @@
 // 16-byte vectors (N = 8 for bf16, 4 for f32) where head_dim / 2 is a
 // multiple of N and every pointer is 16-byte aligned, else N = 1.
 // inv_freq comes from the host (computed as the CPU reference does), in the
-// launch parameters. Every pair is read and written by the same thread, so
-// the output may be the input (in place).
+// launch parameters, with each pair's position axis (multi-axis RopeSpecs:
+// positions [tokens, axes]; the text kind's kernel reads one position per
+// token). Every pair is read and written by the same thread, so the output
+// may be the input (in place).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -33,8 +35,10 @@ struct RopeParams {
   const int32_t* positions;
   int64_t tokens;
   int q_heads, k_heads, head_dim;
+  int axes;  // positions per token
   float sign;
   float inv_freq[kRopeMaxHeadDim / 2];
+  uint8_t axis[kRopeMaxHeadDim / 2];  // pair i reads positions[t * axes + axis[i]]
 };
 
 // Rotates the N pairs starting at column i0 of every head of token t.
@@ -59,17 +63,19 @@ __device__ __forceinline__ void rotate_heads(const T* x, T* y, int heads, int he
   }
 }
 
-template <class T, int N>
+template <class T, int N, bool kMultiAxis>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const __grid_constant__ RopeParams p) {
   const int chunks = p.head_dim / 2 / N;
   const int64_t idx = blockIdx.x * int64_t(kThreads) + threadIdx.x;
   if (idx >= p.tokens * chunks) return;
   const int64_t t = idx / chunks;
   const int i0 = int(idx % chunks) * N;
-  const float pos = float(p.positions[t]);
+  const int32_t* pos_t = p.positions + t * p.axes;
+  const float pos0 = float(pos_t[0]);
   float c[N], s[N];
 #pragma unroll
   for (int k = 0; k < N; ++k) {
+    const float pos = kMultiAxis ? float(pos_t[p.axis[i0 + k]]) : pos0;
     const float angle = pos * p.inv_freq[i0 + k];
     sincosf(angle, &s[k], &c[k]);
     s[k] *= p.sign;
@@ -102,7 +108,11 @@ void launch(const RopeParams& p, StreamHandle stream) {
   const int64_t items = p.tokens * (p.head_dim / 2 / N);
   const int64_t blocks = (items + kThreads - 1) / kThreads;
   SLIME_CHECK(blocks <= INT32_MAX, "rope: ", p.tokens, " tokens are too many for one launch");
-  rope_kernel<T, N><<<unsigned(blocks), kThreads, 0, stream>>>(p);
+  if (p.axes > 1) {
+    rope_kernel<T, N, true><<<unsigned(blocks), kThreads, 0, stream>>>(p);
+  } else {
+    rope_kernel<T, N, false><<<unsigned(blocks), kThreads, 0, stream>>>(p);
+  }
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
@@ -126,7 +136,12 @@ void rope(const RopeArgs& args, StreamHandle stream) {
   p.k_heads = args.k == nullptr ? 0 : int(args.k_heads);
   p.head_dim = int(args.head_dim);
   p.sign = args.sign < 0 ? -1.f : 1.f;
-  for (int64_t i = 0; i < args.head_dim / 2; ++i) p.inv_freq[i] = cpu::rope_inv_freq_f32(args.theta, args.head_dim, i);
+  args.spec.check(args.head_dim, "rope");
+  p.axes = args.spec.axes();
+  for (int64_t i = 0; i < args.head_dim / 2; ++i) {
+    p.inv_freq[i] = cpu::rope_pair_inv_freq_f32(args.spec, args.head_dim, i);
+    p.axis[i] = uint8_t(cpu::rope_pair_axis(args.spec, args.head_dim, i));
+  }
 
   auto run = [&](auto tag) {
     using T = decltype(tag);

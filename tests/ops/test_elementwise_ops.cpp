@@ -5,8 +5,10 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -433,6 +435,201 @@ TEST_CASE("rope Tensor API equals the templates, q and k, forward and backward",
       CHECK(std::memcmp(dk.data_ptr(), kr.data(), dk.nbytes()) == 0);
     });
   }
+}
+
+namespace {
+
+// HF's rotate_half application for one head x [d] with cos / sin [d] (fp32).
+std::vector<double> hf_rotate_half(const float* x, const std::vector<float>& cos, const std::vector<float>& sin,
+                                   int64_t d) {
+  std::vector<double> y;
+  for (int64_t j = 0; j < d; ++j) {
+    const float rot = j < d / 2 ? -x[j + d / 2] : x[j - d / 2];
+    y.push_back(double(x[j] * cos[std::size_t(j)] + rot * sin[std::size_t(j)]));
+  }
+  return y;
+}
+
+// transformers' Qwen3VLTextRotaryEmbedding for one token: freqs[a][i] =
+// pos[a] * inv_freq[i] for the three axes, apply_interleaved_mrope (start
+// from T, overwrite slice(1, 3 s_h, 3) with H and slice(2, 3 s_w, 3) with W),
+// emb = cat(freqs, freqs).
+std::vector<float> hf_mrope_angles(const int32_t* pos3, int64_t d, double theta, std::array<int64_t, 3> section) {
+  std::vector<float> inv(static_cast<std::size_t>(d / 2));
+  for (int64_t i = 0; i < d / 2; ++i) inv[std::size_t(i)] = 1.0f / std::pow(float(theta), float(2 * i) / float(d));
+  std::vector<float> f(static_cast<std::size_t>(d / 2));
+  for (int64_t i = 0; i < d / 2; ++i) f[std::size_t(i)] = float(pos3[0]) * inv[std::size_t(i)];
+  for (int a = 1; a <= 2; ++a)
+    for (int64_t i = a; i < 3 * section[std::size_t(a)] && i < d / 2; i += 3)
+      f[std::size_t(i)] = float(pos3[a]) * inv[std::size_t(i)];
+  std::vector<float> emb(f);
+  emb.insert(emb.end(), f.begin(), f.end());
+  return emb;
+}
+
+// transformers' Qwen3VLVisionModel rotary for one patch at (row, col):
+// inv_freq over dim = d / 2 (arange(0, d/2, 2) / (d/2)), emb =
+// cat(row * inv, col * inv), then cat(emb, emb).
+std::vector<float> hf_vision_angles(int32_t row, int32_t col, int64_t d, double theta) {
+  const int64_t dim = d / 2;
+  std::vector<float> half;
+  for (int32_t p : {row, col})
+    for (int64_t j = 0; j < dim / 2; ++j)
+      half.push_back(float(p) * (1.0f / std::pow(float(theta), float(2 * j) / float(dim))));
+  std::vector<float> emb(half);
+  emb.insert(emb.end(), half.begin(), half.end());
+  return emb;
+}
+
+// Rotates q [tokens, heads, d] by per-token angles (HF's cos / sin of them).
+std::vector<double> hf_apply(const Tensor& q, const std::function<std::vector<float>(int64_t)>& angles_of) {
+  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2);
+  std::vector<double> out;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const std::vector<float> a = angles_of(t);
+    std::vector<float> c, s;
+    for (float x : a) {
+      c.push_back(std::cos(x));
+      s.push_back(std::sin(x));
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const std::vector<double> y = hf_rotate_half(q.data<float>() + (t * heads + h) * d, c, s, d);
+      out.insert(out.end(), y.begin(), y.end());
+    }
+  }
+  return out;
+}
+
+std::vector<double> as_doubles(const Tensor& t) {
+  std::vector<double> v;
+  for (float x : t.to_vector<float>()) v.push_back(double(x));
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("interleaved MRoPE follows transformers' Qwen3-VL text rotary (fp32)", "[ops][rope][mrope]") {
+  // Qwen3-VL's sections (head_dim 128) and a small odd one (head_dim 10).
+  for (auto [d, section] : std::vector<std::pair<int64_t, std::array<int64_t, 3>>>{
+           {128, {24, 20, 20}}, {10, {2, 2, 1}}, {16, {8, 0, 0}}}) {
+    INFO("head_dim " << d << " section " << section[0] << "," << section[1] << "," << section[2]);
+    const int64_t tokens = 6, heads = 3;
+    const double theta = 5000000.0;  // Qwen3-VL's rope_theta
+    // (t, h, w) per token: text tokens (equal), image tokens (different), far out.
+    const std::vector<int32_t> pos = {0, 0, 0, 3, 3, 3, 4, 4, 5, 4, 7, 9, 11, 2, 40000, 50000, 123, 9};
+    const Tensor positions = Tensor::from_vector(pos, {tokens, 3});
+    Tensor q = filled<float>({tokens, heads, d}, 151);
+    Tensor y = Tensor::empty(q.shape(), DType::f32);
+    ops::rope_forward(q, Tensor{}, positions, ops::RopeSpec::mrope(theta, section), y, Tensor{});
+    const std::vector<double> want =
+        hf_apply(q, [&](int64_t t) { return hf_mrope_angles(pos.data() + 3 * t, d, theta, section); });
+    CHECK(rel_err(as_doubles(y), want) < 1e-6);
+  }
+}
+
+TEST_CASE("MRoPE with equal (t, h, w) positions is the text rotary bit for bit", "[ops][rope][mrope]") {
+  const int64_t tokens = 9, hq = 4, hk = 2, d = 128;
+  std::vector<int32_t> pos1, pos3;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t p = int32_t(t * 977 % 5000);
+    pos1.push_back(p);
+    for (int a = 0; a < 3; ++a) pos3.push_back(p);
+  }
+  for (DType dt : {DType::f32, DType::bf16}) {
+    ops::detail::memops::visit_f32_bf16(dt, [&](auto tag) {
+      using T = decltype(tag);
+      Tensor q = filled<T>({tokens, hq, d}, 161), k = filled<T>({tokens, hk, d}, 162);
+      Tensor q1 = Tensor::empty(q.shape(), dt), k1 = Tensor::empty(k.shape(), dt);
+      Tensor q3 = Tensor::empty(q.shape(), dt), k3 = Tensor::empty(k.shape(), dt);
+      ops::rope_forward(q, k, Tensor::from_vector(pos1, {tokens}), 5e6, q1, k1);
+      ops::rope_forward(q, k, Tensor::from_vector(pos3, {tokens, 3}), ops::RopeSpec::mrope(5e6, {24, 20, 20}), q3,
+                        k3);
+      CHECK(same_bits<T>(q1, q3));
+      CHECK(same_bits<T>(k1, k3));
+    });
+  }
+  // Unequal positions change the result (the axes are really read).
+  std::vector<int32_t> other = pos3;
+  other[3 * 5 + 1] += 7;
+  Tensor q = filled<float>({tokens, hq, d}, 163);
+  Tensor a = Tensor::empty(q.shape(), DType::f32), b = Tensor::empty(q.shape(), DType::f32);
+  ops::rope_forward(q, Tensor{}, Tensor::from_vector(pos3, {tokens, 3}), ops::RopeSpec::mrope(5e6, {24, 20, 20}), a,
+                    Tensor{});
+  ops::rope_forward(q, Tensor{}, Tensor::from_vector(other, {tokens, 3}), ops::RopeSpec::mrope(5e6, {24, 20, 20}), b,
+                    Tensor{});
+  CHECK_FALSE(same_bits<float>(a, b));
+}
+
+TEST_CASE("2-D vision rotary follows transformers' Qwen3-VL vision tower (fp32)", "[ops][rope][mrope]") {
+  for (int64_t d : {int64_t(64), int64_t(72), int64_t(12)}) {
+    INFO("head_dim " << d);
+    const int64_t tokens = 7, heads = 2;
+    const std::vector<int32_t> pos = {0, 0, 0, 1, 1, 0, 1, 1, 5, 3, 31, 47, 2, 63};  // (row, col)
+    Tensor q = filled<float>({tokens, heads, d}, 171);
+    Tensor y = Tensor::empty(q.shape(), DType::f32);
+    ops::rope_forward(q, Tensor{}, Tensor::from_vector(pos, {tokens, 2}), ops::RopeSpec::vision(10000.0), y,
+                      Tensor{});
+    const std::vector<double> want =
+        hf_apply(q, [&](int64_t t) { return hf_vision_angles(pos[std::size_t(2 * t)], pos[std::size_t(2 * t + 1)], d,
+                                                             10000.0); });
+    CHECK(rel_err(as_doubles(y), want) < 1e-6);
+  }
+}
+
+TEST_CASE("multi-axis rope backward matches finite differences and inverts the forward (double)",
+          "[ops][rope][mrope]") {
+  const int64_t tokens = 4, heads = 2;
+  for (const auto& [spec, d] : std::vector<std::pair<ops::RopeSpec, int64_t>>{
+           {ops::RopeSpec::mrope(1e4, {2, 1, 1}), 8}, {ops::RopeSpec::vision(1e4), 8}}) {
+    INFO("rotary " << spec.name());
+    std::vector<int32_t> pos;
+    for (int64_t i = 0; i < tokens * spec.axes(); ++i) pos.push_back(int32_t((i * 5 + 1) % 9));
+    std::vector<double> x = normals(static_cast<std::size_t>(tokens * heads * d), 181);
+    const std::vector<double> r = normals(x.size(), 182);
+    auto loss = [&] {
+      std::vector<double> y(x.size());
+      ops::cpu::rope_rotate(x.data(), pos.data(), tokens, heads, d, spec, +1, y.data());
+      return dot(r, y);
+    };
+    const std::vector<double> fd = numeric_grad(x, loss);
+    std::vector<double> dx(x.size(), 99.0);
+    ops::cpu::rope_rotate(r.data(), pos.data(), tokens, heads, d, spec, -1, dx.data());
+    CHECK(rel_err(dx, fd) < kFdTol);
+    std::vector<double> y(x.size()), back(x.size());
+    ops::cpu::rope_rotate(x.data(), pos.data(), tokens, heads, d, spec, +1, y.data());
+    ops::cpu::rope_rotate(y.data(), pos.data(), tokens, heads, d, spec, -1, back.data());
+    CHECK(rel_err(back, x) < 1e-14);
+    CHECK(rel_err(y, x) > 1e-3);  // it rotated
+  }
+  // The Tensor API's backward is the same rotation by -angle.
+  const std::vector<int32_t> pos = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  Tensor q = filled<float>({4, 2, 8}, 183), y = Tensor::empty({4, 2, 8}, DType::f32),
+         back = Tensor::empty({4, 2, 8}, DType::f32);
+  const auto spec = ops::RopeSpec::mrope(1e4, {2, 1, 1});
+  ops::rope_forward(q, Tensor{}, Tensor::from_vector(pos, {4, 3}), spec, y, Tensor{});
+  ops::rope_backward(y, Tensor{}, Tensor::from_vector(pos, {4, 3}), spec, back, Tensor{});
+  CHECK(rel_err(as_doubles(back), as_doubles(q)) < 1e-6);
+}
+
+TEST_CASE("multi-axis rope rejects bad specs and positions", "[ops][rope][mrope]") {
+  Tensor q = filled<float>({3, 2, 8}, 191);
+  Tensor qo = Tensor::empty(q.shape(), DType::f32);
+  const Tensor pos3 = Tensor::zeros({3, 3}, DType::i32);
+  CHECK_THROWS_WITH(ops::rope_forward(q, Tensor{}, pos3, ops::RopeSpec::mrope(1e4, {2, 1, 2}), qo, Tensor{}),
+                    ContainsSubstring("mrope_section [2, 1, 2] must be >= 0 and sum to head_dim / 2 = 4"));
+  CHECK_THROWS_WITH(ops::rope_forward(q, Tensor{}, pos3, ops::RopeSpec::mrope(1e4, {5, -1, 0}), qo, Tensor{}),
+                    ContainsSubstring("mrope_section"));
+  CHECK_THROWS_WITH(ops::rope_forward(q, Tensor{}, Tensor::zeros({3}, DType::i32),
+                                      ops::RopeSpec::mrope(1e4, {2, 1, 1}), qo, Tensor{}),
+                    ContainsSubstring("positions must be [3, 3] for the mrope_interleaved rotary"));
+  CHECK_THROWS_WITH(ops::rope_forward(q, Tensor{}, pos3, ops::RopeSpec::vision(1e4), qo, Tensor{}),
+                    ContainsSubstring("positions must be [3, 2] for the vision_2d rotary"));
+  Tensor q6 = filled<float>({3, 2, 6}, 192);
+  CHECK_THROWS_WITH(ops::rope_forward(q6, Tensor{}, Tensor::zeros({3, 2}, DType::i32), ops::RopeSpec::vision(1e4),
+                                      Tensor::empty(q6.shape(), DType::f32), Tensor{}),
+                    ContainsSubstring("head_dim divisible by 4, got 6"));
+  CHECK_THROWS_WITH(ops::rope_forward(q, Tensor{}, pos3, ops::RopeSpec::mrope(-1.0, {2, 1, 1}), qo, Tensor{}),
+                    ContainsSubstring("rope_theta must be positive"));
 }
 
 TEST_CASE("rope and positions reject bad input", "[ops][rope]") {

@@ -394,6 +394,49 @@ TEST_CASE("rope on the GPU matches the CPU with positions restarting per packed 
   }
 }
 
+TEST_CASE("multi-axis rope (MRoPE, 2-D vision) on the GPU matches the CPU", "[ops][rope][mrope][gpu]") {
+  REQUIRE_GPU();
+  uint64_t seed = 7500;
+  const int64_t tokens = 301;
+  struct Case {
+    ops::RopeSpec spec;
+    int64_t q, k, d;
+  };
+  const std::vector<Case> cases = {
+      {ops::RopeSpec::mrope(5e6, {24, 20, 20}), 16, 8, 128},  // Qwen3-VL text
+      {ops::RopeSpec::mrope(1e4, {2, 2, 1}), 3, 1, 10},       // odd pair count, scalar path
+      {ops::RopeSpec::vision(1e4), 16, 16, 64},               // Qwen3-VL-2B tower
+      {ops::RopeSpec::vision(1e4), 16, 0, 72},                // Qwen3-VL-8B tower, q only
+  };
+  for (DType dt : {DType::bf16, DType::f32}) {
+    for (const Case& c : cases) {
+      for (bool aligned : {true, false}) {
+        INFO("dtype " << dt << " rotary " << c.spec.name() << " heads " << c.q << "+" << c.k << " head_dim " << c.d
+                      << " aligned " << aligned);
+        std::vector<int32_t> pos(static_cast<std::size_t>(tokens * c.spec.axes()));
+        for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = int32_t(philox_word(++seed, i) % 40000);
+        const Tensor pcpu = Tensor::from_vector(pos, {tokens, int64_t(c.spec.axes())});
+        Tensor q = randn({tokens, c.q, c.d}, dt, Device::cpu(), ++seed);
+        Tensor k = c.k > 0 ? randn({tokens, c.k, c.d}, dt, Device::cpu(), ++seed) : Tensor{};
+        Tensor qr = Tensor::empty(q.shape(), dt), kr = c.k > 0 ? Tensor::empty(k.shape(), dt) : Tensor{};
+        ops::rope_forward(q, k, pcpu, c.spec, qr, kr);
+        Tensor qg = aligned ? q.to(gpu()) : misaligned(q.to(gpu()));
+        Tensor kg = c.k > 0 ? (aligned ? k.to(gpu()) : misaligned(k.to(gpu()))) : Tensor{};
+        Tensor qo = poisoned(q.shape(), dt, gpu()), ko = c.k > 0 ? poisoned(k.shape(), dt, gpu()) : Tensor{};
+        const Tensor pg = pcpu.to(gpu());
+        ops::rope_forward(qg, kg, pg, c.spec, qo, ko);
+        CHECK(rel_err(qo, qr) <= tolerance(dt));
+        if (c.k > 0) CHECK(rel_err(ko, kr) <= tolerance(dt));
+        Tensor dq_ref = Tensor::empty(q.shape(), dt), dk_ref = c.k > 0 ? Tensor::empty(k.shape(), dt) : Tensor{};
+        ops::rope_backward(q, k, pcpu, c.spec, dq_ref, dk_ref);
+        ops::rope_backward(qg, kg, pg, c.spec, qg, kg);  // in place
+        CHECK(rel_err(qg, dq_ref) <= tolerance(dt));
+        if (c.k > 0) CHECK(rel_err(kg, dk_ref) <= tolerance(dt));
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- swiglu
 
 TEST_CASE("swiglu on the GPU matches the CPU, separate and fused layouts", "[ops][swiglu][gpu]") {

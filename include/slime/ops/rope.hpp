@@ -1,5 +1,6 @@
 // slime/ops/rope.hpp: rotary position embedding (rotate-half convention of
-// Hugging Face Llama/Qwen3) on q and k, forward and backward, and the
+// Hugging Face Llama/Qwen3; also Qwen3-VL's interleaved MRoPE and 2-D vision
+// rotary, see RopeSpec) on q and k, forward and backward, and the
 // per-sequence positions of packed sequences, on the CPU or the GPU.
 //
 // Accumulation contract: parameter gradients accumulate (+=) into fp32
@@ -66,7 +67,7 @@ inline void positions_from_cu_seqlens(const Tensor& cu_seqlens, const Tensor& po
 
 namespace detail::memops {
 
-inline void rope_impl(const Tensor& q, const Tensor& k, const Tensor& positions, double theta, const Tensor& q_out,
+inline void rope_impl(const Tensor& q, const Tensor& k, const Tensor& positions, const RopeSpec& spec, const Tensor& q_out,
                       const Tensor& k_out, int sign, [[maybe_unused]] const Stream& stream, std::string_view op,
                       std::string_view qn, std::string_view kn, std::string_view qon, std::string_view kon) {
   using ::slime::detail::concat;
@@ -74,11 +75,17 @@ inline void rope_impl(const Tensor& q, const Tensor& k, const Tensor& positions,
   SLIME_CHECK(q.dim() == 3, op, ": ", qn, " must be 3-d [tokens, heads, head_dim], got ", q.str());
   const int64_t tokens = q.size(0), head_dim = q.size(2);
   SLIME_CHECK(head_dim > 0 && head_dim % 2 == 0, op, ": head_dim must be even and positive, got ", q.str());
-  SLIME_CHECK(theta > 0.0, op, ": rope_theta must be positive, got ", theta);
+  spec.check(head_dim, op);
   check_dtype(q_out, q.dtype(), concat(op, ": ", qon));
   check_shape(q_out, q.shape(), concat(op, ": ", qon));
   check_dtype(positions, DType::i32, concat(op, ": positions"));
-  check_shape(positions, Shape{tokens}, concat(op, ": positions"));
+  if (spec.axes() == 1) {
+    check_shape(positions, Shape{tokens}, concat(op, ": positions"));
+  } else {
+    SLIME_CHECK(positions.dim() == 2 && positions.size(0) == tokens && positions.size(1) == spec.axes(), op,
+                ": positions must be [", tokens, ", ", spec.axes(), "] for the ", spec.name(), " rotary, got ",
+                positions.str());
+  }
   check_same_device(q, q_out, concat(op, ": ", qn), qon);
   check_same_device(q, positions, concat(op, ": ", qn), "positions");
   SLIME_CHECK(k.defined() == k_out.defined(), op, ": ", kn, " and ", kon, " must both be given or both be undefined");
@@ -112,7 +119,7 @@ inline void rope_impl(const Tensor& q, const Tensor& k, const Tensor& positions,
     args.positions = static_cast<const int32_t*>(positions.data_ptr());
     args.tokens = tokens;
     args.head_dim = head_dim;
-    args.theta = theta;
+    args.spec = spec;
     args.sign = sign;
     args.dtype = q.dtype();
     cuda::rope(args, s.handle());
@@ -124,30 +131,44 @@ inline void rope_impl(const Tensor& q, const Tensor& k, const Tensor& positions,
   visit_f32_bf16(q.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const auto* pos = static_cast<const int32_t*>(positions.data_ptr());
-    cpu::rope_rotate(static_cast<const T*>(q.data_ptr()), pos, tokens, q.size(1), head_dim, theta, sign,
+    cpu::rope_rotate(static_cast<const T*>(q.data_ptr()), pos, tokens, q.size(1), head_dim, spec, sign,
                      static_cast<T*>(q_out.data_ptr()));
     if (k.defined())
-      cpu::rope_rotate(static_cast<const T*>(k.data_ptr()), pos, tokens, k.size(1), head_dim, theta, sign,
+      cpu::rope_rotate(static_cast<const T*>(k.data_ptr()), pos, tokens, k.size(1), head_dim, spec, sign,
                        static_cast<T*>(k_out.data_ptr()));
   });
 }
 
 }  // namespace detail::memops
 
-// q_out = rope(q), k_out = rope(k) at `positions` (i32 [tokens]) with base
-// `theta` (Qwen3: config.rope_theta). q_out may be q and k_out may be k.
+// q_out = rope(q), k_out = rope(k) at `positions` (i32 [tokens, spec.axes()];
+// [tokens] for the text kind) as `spec` says (slime/ops/cpu/rope.hpp: text,
+// Qwen3-VL's interleaved MRoPE, its vision tower's 2-D rotary). q_out may be q
+// and k_out may be k.
+inline void rope_forward(const Tensor& q, const Tensor& k, const Tensor& positions, const RopeSpec& spec,
+                         const Tensor& q_out, const Tensor& k_out, const Stream& stream = {}) {
+  detail::memops::rope_impl(q, k, positions, spec, q_out, k_out, +1, stream, "rope_forward", "q", "k", "q_out",
+                            "k_out");
+}
+
+// The text rotary at `positions` (i32 [tokens]) with base `theta` (Qwen3:
+// config.rope_theta).
 inline void rope_forward(const Tensor& q, const Tensor& k, const Tensor& positions, double theta, const Tensor& q_out,
                          const Tensor& k_out, const Stream& stream = {}) {
-  detail::memops::rope_impl(q, k, positions, theta, q_out, k_out, +1, stream, "rope_forward", "q", "k", "q_out",
-                            "k_out");
+  rope_forward(q, k, positions, RopeSpec::text(theta), q_out, k_out, stream);
 }
 
 // dq = rope^T(dq_out), dk = rope^T(dk_out): the rotation by -angle (written).
 // dq may be dq_out and dk may be dk_out.
+inline void rope_backward(const Tensor& dq_out, const Tensor& dk_out, const Tensor& positions, const RopeSpec& spec,
+                          const Tensor& dq, const Tensor& dk, const Stream& stream = {}) {
+  detail::memops::rope_impl(dq_out, dk_out, positions, spec, dq, dk, -1, stream, "rope_backward", "dq_out", "dk_out",
+                            "dq", "dk");
+}
+
 inline void rope_backward(const Tensor& dq_out, const Tensor& dk_out, const Tensor& positions, double theta,
                           const Tensor& dq, const Tensor& dk, const Stream& stream = {}) {
-  detail::memops::rope_impl(dq_out, dk_out, positions, theta, dq, dk, -1, stream, "rope_backward", "dq_out", "dk_out",
-                            "dq", "dk");
+  rope_backward(dq_out, dk_out, positions, RopeSpec::text(theta), dq, dk, stream);
 }
 
 }  // namespace slime::ops

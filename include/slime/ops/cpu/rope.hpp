@@ -1,22 +1,81 @@
 // slime/ops/cpu/rope.hpp: CPU reference for rotary position embedding in the
-// rotate-half convention of Hugging Face Llama/Qwen3, and the positions of
-// packed sequences.
+// rotate-half convention of Hugging Face Llama/Qwen3 (and its multi-axis
+// forms: Qwen3-VL's interleaved MRoPE and its vision tower's 2-D rotary), and
+// the positions of packed sequences.
 //
-// For head_dim d and i in [0, d/2), the pair (x[i], x[i + d/2]) of every head
-// of token t turns by angle = positions[t] * inv_freq[i]:
-//   inv_freq[i] = 1 / theta^((2i) / d)
+// For head_dim d and pair i in [0, d/2), the pair (x[i], x[i + d/2]) of every
+// head of token t turns by angle = positions[t, axis(i)] * inv_freq(i):
 //   y[i]         = x[i] * cos - x[i + d/2] * sin
 //   y[i + d/2]   = x[i + d/2] * cos + x[i] * sin
-// For float/bf16 elements every step is fp32, as HF computes it: the exponent
-// fl(2i / d), powf, the reciprocal, angle = fl(float(pos) * inv_freq), then
-// cosf/sinf of that fp32 angle. For double elements all of it is double.
+// RopeSpec says which of the token's positions (axis) and which frequency
+// each pair uses (rope_pair_axis, rope_pair_inv_freq_f32):
+//   text:              one position per token; inv_freq(i) = 1 / theta^(2i / d)
+//   mrope_interleaved: positions (t, h, w) per token (Qwen3-VL's language
+//                      model, transformers' apply_interleaved_mrope): pair i
+//                      takes h when i % 3 == 1 and i < 3 * section[1], w when
+//                      i % 3 == 2 and i < 3 * section[2], else t; the
+//                      frequencies are text's (section sums to d/2)
+//   vision_2d:         positions (row, col) per patch (Qwen3-VL's vision
+//                      tower, rotary over d/2 of rotary dim): pairs i < d/4
+//                      take the row, the others the column, with
+//                      inv_freq(i) = 1 / theta^(2 (i mod d/4) / (d/2))
+// For text tokens whose three MRoPE positions are equal, mrope_interleaved is
+// text exactly. For float/bf16 elements every step is fp32, as HF computes it:
+// the exponent fl(2j / n), powf, the reciprocal, angle = fl(float(pos) *
+// inv_freq), then cosf/sinf of that fp32 angle. For double elements all of it
+// is double.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <string_view>
+#include <type_traits>
 
 #include "slime/core/error.hpp"
 #include "slime/ops/cpu/elementwise.hpp"
+
+namespace slime::ops {
+
+// Which position of a token and which frequency each rotation pair uses (see
+// the file comment). Build with RopeSpec::text / mrope / vision.
+struct RopeSpec {
+  enum class Kind : int { text, mrope_interleaved, vision_2d };
+  Kind kind = Kind::text;
+  double theta = 10000.0;
+  std::array<int64_t, 3> mrope_section{};  // mrope_interleaved: pairs per (t, h, w), summing to head_dim / 2
+
+  static RopeSpec text(double theta) { return {Kind::text, theta, {}}; }
+  static RopeSpec mrope(double theta, std::array<int64_t, 3> section) {
+    return {Kind::mrope_interleaved, theta, section};
+  }
+  static RopeSpec vision(double theta) { return {Kind::vision_2d, theta, {}}; }
+
+  // Positions per token: the width of the positions tensor [tokens, axes].
+  int axes() const { return kind == Kind::text ? 1 : kind == Kind::mrope_interleaved ? 3 : 2; }
+  const char* name() const {
+    return kind == Kind::text ? "text" : kind == Kind::mrope_interleaved ? "mrope_interleaved" : "vision_2d";
+  }
+
+  // Throws unless this spec fits head_dim (even; mrope: the sections are >= 0
+  // and sum to head_dim / 2; vision: head_dim % 4 == 0) and theta > 0.
+  void check(int64_t head_dim, std::string_view op) const {
+    SLIME_CHECK(head_dim > 0 && head_dim % 2 == 0, op, ": head_dim must be even and positive, got ", head_dim);
+    SLIME_CHECK(theta > 0.0, op, ": rope_theta must be positive, got ", theta);
+    if (kind == Kind::mrope_interleaved) {
+      const auto& s = mrope_section;
+      SLIME_CHECK(s[0] >= 0 && s[1] >= 0 && s[2] >= 0 && s[0] + s[1] + s[2] == head_dim / 2, op,
+                  ": mrope_section [", s[0], ", ", s[1], ", ", s[2], "] must be >= 0 and sum to head_dim / 2 = ",
+                  head_dim / 2);
+    } else if (kind == Kind::vision_2d) {
+      SLIME_CHECK(head_dim % 4 == 0, op, ": the 2-D vision rotary needs head_dim divisible by 4, got ", head_dim);
+    } else {
+      SLIME_CHECK(kind == Kind::text, op, ": unknown RopeSpec kind ", int(kind));
+    }
+  }
+};
+
+}  // namespace slime::ops
 
 namespace slime::ops::cpu {
 
@@ -31,24 +90,50 @@ inline double rope_inv_freq_f64(double theta, int64_t head_dim, int64_t i) {
   return 1.0 / std::pow(theta, double(2 * i) / double(head_dim));
 }
 
+// The column of positions [tokens, spec.axes()] that pair i reads.
+inline int rope_pair_axis(const RopeSpec& spec, int64_t head_dim, int64_t i) {
+  switch (spec.kind) {
+    case RopeSpec::Kind::mrope_interleaved:
+      if (i % 3 == 1 && i < 3 * spec.mrope_section[1]) return 1;
+      if (i % 3 == 2 && i < 3 * spec.mrope_section[2]) return 2;
+      return 0;
+    case RopeSpec::Kind::vision_2d:
+      return i < head_dim / 4 ? 0 : 1;
+    default:
+      return 0;
+  }
+}
+
+// Pair i's inverse frequency, fp32 as HF computes it (the GPU takes these).
+inline float rope_pair_inv_freq_f32(const RopeSpec& spec, int64_t head_dim, int64_t i) {
+  if (spec.kind == RopeSpec::Kind::vision_2d) return rope_inv_freq_f32(spec.theta, head_dim / 2, i % (head_dim / 4));
+  return rope_inv_freq_f32(spec.theta, head_dim, i);
+}
+
+inline double rope_pair_inv_freq_f64(const RopeSpec& spec, int64_t head_dim, int64_t i) {
+  if (spec.kind == RopeSpec::Kind::vision_2d) return rope_inv_freq_f64(spec.theta, head_dim / 2, i % (head_dim / 4));
+  return rope_inv_freq_f64(spec.theta, head_dim, i);
+}
+
 // Rotates x [tokens, heads, head_dim] into y (same shape; y may alias x) by
 // +angle (sign = +1, the forward) or -angle (sign = -1: the backward, since a
-// rotation's transpose is its inverse).
+// rotation's transpose is its inverse); positions [tokens, spec.axes()].
 template <class T>
-void rope_rotate(const T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t head_dim, double theta,
-                 int sign, T* y) {
+void rope_rotate(const T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t head_dim,
+                 const RopeSpec& spec, int sign, T* y) {
   using A = memops::acc_t<T>;
   using memops::to_acc;
-  const int64_t half = head_dim / 2;
+  const int64_t half = head_dim / 2, axes = spec.axes();
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t i = 0; i < half; ++i) {
+      const int32_t pos = positions[t * axes + rope_pair_axis(spec, head_dim, i)];
       A c, s;
       if constexpr (std::is_same_v<A, double>) {
-        const double angle = double(positions[t]) * rope_inv_freq_f64(theta, head_dim, i);
+        const double angle = double(pos) * rope_pair_inv_freq_f64(spec, head_dim, i);
         c = std::cos(angle);
         s = std::sin(angle);
       } else {
-        const float angle = float(positions[t]) * rope_inv_freq_f32(theta, head_dim, i);
+        const float angle = float(pos) * rope_pair_inv_freq_f32(spec, head_dim, i);
         c = std::cos(angle);
         s = std::sin(angle);
       }
@@ -61,6 +146,13 @@ void rope_rotate(const T* x, const int32_t* positions, int64_t tokens, int64_t h
       }
     }
   }
+}
+
+// The text rotary (one position per token) with base theta.
+template <class T>
+void rope_rotate(const T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t head_dim, double theta,
+                 int sign, T* y) {
+  rope_rotate(x, positions, tokens, heads, head_dim, RopeSpec::text(theta), sign, y);
 }
 
 template <class T>

@@ -7,6 +7,7 @@
 
 #include "slime/core/cuda_runtime.hpp"
 #include "slime/core/dtype.hpp"
+#include "slime/ops/cpu/rope.hpp"
 
 #if SLIME_HAS_CUDA
 namespace slime::ops::cuda {
@@ -22,15 +23,16 @@ struct RopeArgs {
   const void* k;  // [tokens, k_heads, head_dim], or null with k_heads = 0
   void* k_out;    // same shape; may be k
   int64_t k_heads;
-  const int32_t* positions;  // [tokens]
+  const int32_t* positions;  // [tokens, spec.axes()]
   int64_t tokens, head_dim;  // head_dim even, <= kRopeMaxHeadDim
-  double theta;
+  RopeSpec spec;             // checked against head_dim by the caller
   int sign;  // +1: rotate by +angle (forward), -1: by -angle (backward)
   DType dtype;
 };
 
 // Rotates q and k in one launch; angles as in slime/ops/cpu/rope.hpp (the
-// host computes inv_freq in fp32 exactly as the CPU reference does).
+// host computes each pair's inv_freq in fp32 exactly as the CPU reference
+// does, and its axis).
 void rope(const RopeArgs& args, StreamHandle stream);
 
 // positions[t] = t - cu_seqlens[s] where s is the last sequence with
