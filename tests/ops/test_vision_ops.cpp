@@ -159,7 +159,7 @@ TEST_CASE("layer_norm forward equals the double-precision formula for every dtyp
           // bf16 output: one bf16 rounding (2^-9 relative at most).
           CHECK(rel_err(to_double(y), ref.y) <= (xt == DType::bf16 ? 4e-3 : 1e-6));
           CHECK(rel_err(to_double(mean), ref.mean) <= 1e-6);
-          // dim 1: var = 0, rstd = 1 / sqrt(eps) = 1000 exactly in double.
+          // dim 1: var = 0, y = b and rstd = 1 / sqrt(eps).
           CHECK(rel_err(to_double(rstd), ref.rstd) <= 1e-5);
         });
       }
