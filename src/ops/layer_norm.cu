@@ -33,21 +33,19 @@
 // read once.
 //
 // Launch shapes (tuning as data): the smallest configuration whose capacity
-// kGroup * kIters * kVec covers dim, from the lists in with_config() (those of
-// rms_norm). With 16-byte vectors (kVec = 8 for bf16, 4 for f32) up to 16384
-// (bf16) / 8192 (f32) columns; without (dim not a multiple of kVec or a
-// misaligned pointer) one element per access up to 8192 columns.
+// kGroup * kIters * kVec covers dim, from the lists in with_config()
+// (row_norm.cuh, shared with rms_norm.cu). With 16-byte vectors (kVec = 8 for
+// bf16, 4 for f32) up to 16384 (bf16) / 8192 (f32) columns; without (dim not
+// a multiple of kVec or a misaligned pointer) one element per access up to
+// 8192 columns.
 // Benchmark: bench/bench_vision_ops.cu beside bench/torch_vision_ops.py.
 #include <cuda_bf16.h>
 
-#include <algorithm>
-#include <array>
 #include <cstdint>
-#include <initializer_list>
-#include <mutex>
 
 #include "memops.cuh"
 #include "ptx.cuh"
+#include "row_norm.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cuda/layer_norm.hpp"
 
@@ -55,18 +53,7 @@ namespace slime::ops::cuda {
 namespace {
 
 using namespace ::slime::ops::detail::memops;
-
-// At most 2048 / 256 blocks of >= 256 threads are resident per SM, so the
-// backward writes at most min(rows, 8 x SMs) partial rows of dw (and of db).
-constexpr int kMaxBlocksPerSm = 8;
-
-template <int kGroup_, int kIters_>
-struct Config {
-  static constexpr int kGroup = kGroup_;  // threads per row
-  static constexpr int kIters = kIters_;  // vectors per thread
-  static constexpr int kBlock = kGroup >= 256 ? kGroup : 256;
-  static constexpr int kRows = kBlock / kGroup;  // rows per block at a time
-};
+using namespace ::slime::ops::detail::row_norm;  // Config, column, load_param, dispatch, ...
 
 // Sums of a and b over the kGroup threads of a group; every thread of the
 // group gets the same bits. red: kBlock / 32 float2 of shared memory. With
@@ -92,29 +79,6 @@ __device__ __forceinline__ float2 group_sum(float a, float b, float2* red) {
       if constexpr (!kOne) sb += red[first + w].y;
     }
     return make_float2(sa, kOne ? b : sb);
-  }
-}
-
-// Column of vector `it` of lane `lane`: vectors interleave across the group so
-// that a warp's accesses are contiguous.
-template <int kGroup, int kVec>
-__device__ __forceinline__ int64_t column(int it, int lane) {
-  return (int64_t(it) * kGroup + lane) * kVec;
-}
-
-// This thread's vectors of a [dim] parameter, kept as stored (bf16 takes half
-// the registers) and converted where used; zero past dim.
-template <class W, int kVec, int kGroup, int kIters>
-__device__ __forceinline__ void load_param(const W* p, int64_t dim, int lane, Vec<W, kVec> (&v)[kIters]) {
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int64_t col = column<kGroup, kVec>(it, lane);
-    if (col < dim) {
-      v[it] = load_vec<W, kVec>(p + col);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) v[it].v[k] = W(0.f);
-    }
   }
 }
 
@@ -296,191 +260,39 @@ __global__ void __launch_bounds__(C::kBlock, C::kBlock < 1024 ? 1024 / C::kBlock
   }
 }
 
-// out[col] += sum over p of partials[p, col] for (partials, out) = (the dw
-// partials, dw) at blockIdx.y = 0 and (the db partials, db) at 1, in a fixed
-// order: 8 slices of the partial rows (p = slice mod 8), each summed in
-// increasing p, then the slices in order.
-constexpr int kReduceCols = 32, kReduceSlices = 8;
-
-__global__ void __launch_bounds__(kReduceCols* kReduceSlices)
-    param_grad_reduce_kernel(const float* __restrict__ partials, int64_t parts, int64_t dim, float* __restrict__ dw,
-                             float* __restrict__ db) {
-  __shared__ float sums[kReduceSlices][kReduceCols + 1];
-  const float* in = partials + int64_t(blockIdx.y) * parts * dim;
-  float* out = blockIdx.y == 0 ? dw : db;
-  const int64_t col = int64_t(blockIdx.x) * kReduceCols + threadIdx.x;
-  float s = 0.f;
-  if (col < dim)
-    for (int64_t p = threadIdx.y; p < parts; p += kReduceSlices) s += in[p * dim + col];
-  sums[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < dim) {
-    float total = 0.f;
-#pragma unroll
-    for (int k = 0; k < kReduceSlices; ++k) total += sums[k][threadIdx.x];
-    out[col] += total;
-  }
-}
-
-// ---- dispatch ----
-
-int sm_count() {
-  static std::array<int, 64> counts{};
-  static std::array<std::once_flag, 64> once;
-  int device = 0;
-  SLIME_CUDA_CHECK(cudaGetDevice(&device));
-  SLIME_CHECK(device >= 0 && device < 64, "layer_norm: device index ", device, " out of range");
-  std::call_once(once[std::size_t(device)], [&] {
-    SLIME_CUDA_CHECK(cudaDeviceGetAttribute(&counts[std::size_t(device)], cudaDevAttrMultiProcessorCount, device));
-  });
-  return counts[std::size_t(device)];
-}
-
-// Calls launch(Config<G, I>{}) with the smallest listed configuration whose
-// capacity G * I * kVec covers dim: rms_norm's lists (its with_config gives
-// the reasons), the backward at most 8 elements of a row per thread.
-template <int kVec, bool kBackward = false, class Launch>
-void with_config(int64_t dim, Launch&& launch) {
-  auto fits = [dim](int g, int i) { return dim <= int64_t(g) * i * kVec; };
-  if constexpr (kVec > 1 && kBackward) {
-    constexpr int kI = kVec >= 8 ? 1 : 2;
-    if (fits(16, kI)) return launch(Config<16, kI>{});
-    if (fits(32, kI)) return launch(Config<32, kI>{});
-    if (fits(64, kI)) return launch(Config<64, kI>{});
-    if (fits(128, kI)) return launch(Config<128, kI>{});
-    if (fits(256, kI)) return launch(Config<256, kI>{});
-    if (fits(512, kI)) return launch(Config<512, kI>{});
-    if (fits(1024, kI)) return launch(Config<1024, kI>{});
-    if (fits(1024, 2)) return launch(Config<1024, 2>{});
-    SLIME_FAIL("layer_norm: dim ", dim, " exceeds the GPU kernels' limit of ", 2048 * kVec, " for this dtype");
-  } else if constexpr (kVec > 1) {
-    if (fits(16, 1)) return launch(Config<16, 1>{});
-    if (fits(32, 1)) return launch(Config<32, 1>{});
-    if (fits(32, 2)) return launch(Config<32, 2>{});
-    if (fits(64, 2)) return launch(Config<64, 2>{});
-    if (fits(128, 2)) return launch(Config<128, 2>{});
-    if (fits(128, 4)) return launch(Config<128, 4>{});
-    if (fits(256, 4)) return launch(Config<256, 4>{});
-    if (fits(512, 4)) return launch(Config<512, 4>{});
-    SLIME_FAIL("layer_norm: dim ", dim, " exceeds the GPU kernels' limit of ", 2048 * kVec, " for this dtype");
-  } else {
-    if (fits(32, 4)) return launch(Config<32, 4>{});
-    if (fits(128, 4)) return launch(Config<128, 4>{});
-    if (fits(256, 8)) return launch(Config<256, 8>{});
-    if (fits(1024, 8)) return launch(Config<1024, 8>{});
-    SLIME_FAIL("layer_norm: dim ", dim,
-               " exceeds the GPU kernels' limit of 8192 when it is not a multiple of 8 (bf16) "
-               "or 4 (f32), or a pointer is not 16-byte aligned");
-  }
-}
-
-template <class F>
-void dispatch_types(DType x_dtype, DType w_dtype, F&& f) {
-  SLIME_CHECK(x_dtype == DType::f32 || x_dtype == DType::bf16, "layer_norm: x must be f32 or bf16, got ",
-              dtype_name(x_dtype));
-  SLIME_CHECK(w_dtype == DType::f32 || w_dtype == DType::bf16, "layer_norm: w must be f32 or bf16, got ",
-              dtype_name(w_dtype));
-  auto with_w = [&](auto t_tag) {
-    if (w_dtype == DType::f32) {
-      f(t_tag, float{});
-    } else {
-      f(t_tag, BFloat16{});
-    }
-  };
-  if (x_dtype == DType::f32) {
-    with_w(float{});
-  } else {
-    with_w(BFloat16{});
-  }
-}
-
-// The vector width usable for these pointers: 16 bytes of T, or 1.
-template <class T, class W>
-bool vectorizable(int64_t dim, std::initializer_list<const void*> act, std::initializer_list<const void*> params) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (dim % kVec != 0) return false;
-  for (const void* p : params)
-    if (!aligned(p, vec_align(sizeof(W), kVec))) return false;
-  for (const void* p : act)
-    if (!aligned(p, 16)) return false;
-  return true;
-}
-
-// Resident blocks per SM of `kernel` with `threads` threads (queried once per
-// kernel).
-template <class Kernel>
-int64_t resident_blocks(Kernel kernel, int threads) {
-  int n = 0;
-  SLIME_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
-  return std::clamp(n, 1, kMaxBlocksPerSm);
-}
-
 }  // namespace
 
 void layer_norm_forward(const LayerNormForwardArgs& args, StreamHandle stream) {
   if (args.rows == 0) return;
   SLIME_CHECK(args.dim > 0, "layer_norm_forward: dim must be positive");
-  dispatch_types(args.x_dtype, args.w_dtype, [&](auto t_tag, auto w_tag) {
-    using T = decltype(t_tag);
-    using W = decltype(w_tag);
-    auto run = [&](auto vec_tag) {
-      constexpr int kVec = decltype(vec_tag)::value;
-      with_config<kVec>(args.dim, [&](auto cfg) {
-        using C = decltype(cfg);
-        auto kernel = layer_norm_forward_kernel<T, W, kVec, C>;
-        static const int64_t per_sm = resident_blocks(kernel, C::kBlock);
-        const int64_t blocks = std::min<int64_t>((args.rows + C::kRows - 1) / C::kRows, per_sm * sm_count());
-        kernel<<<unsigned(blocks), C::kBlock, 0, stream>>>(args);
-        SLIME_CUDA_CHECK_LAUNCH();
-      });
-    };
-    if (vectorizable<T, W>(args.dim, {args.x, args.y}, {args.w, args.b})) {
-      run(std::integral_constant<int, 16 / sizeof(T)>{});
-    } else {
-      run(std::integral_constant<int, 1>{});
-    }
-  });
+  dispatch<false>("layer_norm", args.x_dtype, args.w_dtype, args.dim, {args.x, args.y}, {args.w, args.b},
+                  [&](auto t_tag, auto w_tag, auto vec_tag, auto cfg) {
+                    using C = decltype(cfg);
+                    constexpr auto kernel =
+                        layer_norm_forward_kernel<decltype(t_tag), decltype(w_tag), decltype(vec_tag)::value, C>;
+                    launch_rows<kernel, C>("layer_norm", args.rows, stream, args);
+                  });
 }
 
 std::size_t layer_norm_backward_workspace_bytes(int64_t rows, int64_t dim) {
-  // Every configuration runs at most min(rows, kMaxBlocksPerSm x SMs) blocks.
+  // Every configuration runs at most max_blocks(rows) blocks; [2][blocks][dim].
   if (rows == 0 || dim == 0) return 0;
-  return 2 * std::size_t(std::min<int64_t>(rows, int64_t(kMaxBlocksPerSm) * sm_count())) * std::size_t(dim) *
-         sizeof(float);
+  return 2 * std::size_t(max_blocks("layer_norm", rows)) * std::size_t(dim) * sizeof(float);
 }
 
 void layer_norm_backward(const LayerNormBackwardArgs& args, StreamHandle stream) {
   if (args.rows == 0) return;
   SLIME_CHECK(args.dim > 0, "layer_norm_backward: dim must be positive");
   const std::size_t need = layer_norm_backward_workspace_bytes(args.rows, args.dim);
-  SLIME_CHECK(args.workspace != nullptr && args.workspace_bytes >= need, "layer_norm_backward: workspace of ",
-              args.workspace_bytes, " bytes, needs ", need);
-  SLIME_CHECK(aligned(args.workspace, sizeof(float)), "layer_norm_backward: workspace must be 4-byte aligned");
-  auto* partials = static_cast<float*>(args.workspace);
-  dispatch_types(args.x_dtype, args.w_dtype, [&](auto t_tag, auto w_tag) {
-    using T = decltype(t_tag);
-    using W = decltype(w_tag);
-    auto run = [&](auto vec_tag) {
-      constexpr int kVec = decltype(vec_tag)::value;
-      with_config<kVec, true>(args.dim, [&](auto cfg) {
-        using C = decltype(cfg);
-        auto kernel = layer_norm_backward_kernel<T, W, kVec, C>;
-        static const int64_t per_sm = resident_blocks(kernel, C::kBlock);
-        const int64_t blocks = std::min<int64_t>((args.rows + C::kRows - 1) / C::kRows, per_sm * sm_count());
-        kernel<<<unsigned(blocks), C::kBlock, 0, stream>>>(args, partials);
-        SLIME_CUDA_CHECK_LAUNCH();
-        const dim3 grid(unsigned((args.dim + kReduceCols - 1) / kReduceCols), 2);
-        param_grad_reduce_kernel<<<grid, dim3(kReduceCols, kReduceSlices), 0, stream>>>(partials, blocks, args.dim,
-                                                                                        args.dw, args.db);
-        SLIME_CUDA_CHECK_LAUNCH();
-      });
-    };
-    if (vectorizable<T, W>(args.dim, {args.x, args.dy, args.dx}, {args.w})) {
-      run(std::integral_constant<int, 16 / sizeof(T)>{});
-    } else {
-      run(std::integral_constant<int, 1>{});
-    }
-  });
+  float* partials = workspace_partials("layer_norm_backward", args.workspace, args.workspace_bytes, need);
+  dispatch<true>("layer_norm", args.x_dtype, args.w_dtype, args.dim, {args.x, args.dy, args.dx}, {args.w},
+                 [&](auto t_tag, auto w_tag, auto vec_tag, auto cfg) {
+                   using C = decltype(cfg);
+                   constexpr auto kernel =
+                       layer_norm_backward_kernel<decltype(t_tag), decltype(w_tag), decltype(vec_tag)::value, C>;
+                   const int64_t blocks = launch_rows<kernel, C>("layer_norm", args.rows, stream, args, partials);
+                   reduce_param_grads<2>(partials, blocks, args.dim, args.dw, args.db, stream);
+                 });
 }
 
 }  // namespace slime::ops::cuda

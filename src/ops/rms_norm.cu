@@ -30,19 +30,18 @@
 // Measured: README's benchmark table and bench/RESULTS.md.
 //
 // Launch shapes (tuning as data): the smallest configuration whose capacity
-// kGroup * kIters * kVec covers dim, from the list in with_config(). With
-// 16-byte vectors (kVec = 8 for bf16, 4 for f32) up to 16384 (bf16) / 8192
-// (f32) columns; without (dim not a multiple of kVec or a misaligned
-// pointer) one element per access up to 8192 columns.
+// kGroup * kIters * kVec covers dim, from the lists in with_config()
+// (row_norm.cuh, shared with layer_norm.cu). With 16-byte vectors (kVec = 8
+// for bf16, 4 for f32) up to 16384 (bf16) / 8192 (f32) columns; without (dim
+// not a multiple of kVec or a misaligned pointer) one element per access up
+// to 8192 columns.
 #include <cuda_bf16.h>
 
-#include <algorithm>
-#include <array>
 #include <cstdint>
-#include <mutex>
 
 #include "memops.cuh"
 #include "ptx.cuh"
+#include "row_norm.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cuda/rms_norm.hpp"
 
@@ -50,18 +49,7 @@ namespace slime::ops::cuda {
 namespace {
 
 using namespace ::slime::ops::detail::memops;
-
-// At most 2048 / 256 blocks of >= 256 threads are resident per SM, so the
-// backward writes at most min(rows, 8 x SMs) partial rows of dw.
-constexpr int kMaxBlocksPerSm = 8;
-
-template <int kGroup_, int kIters_>
-struct Config {
-  static constexpr int kGroup = kGroup_;  // threads per row
-  static constexpr int kIters = kIters_;  // vectors per thread
-  static constexpr int kBlock = kGroup >= 256 ? kGroup : 256;
-  static constexpr int kRows = kBlock / kGroup;  // rows per block at a time
-};
+using namespace ::slime::ops::detail::row_norm;  // Config, column, load_param, dispatch, ...
 
 // Sum of v over the kGroup threads of a group; every thread of the group
 // gets the same bits. red: kBlock / 32 floats of shared memory.
@@ -84,29 +72,6 @@ __device__ __forceinline__ float group_sum(float v, float* red) {
   }
 }
 
-// Column of vector `it` of lane `lane`: vectors interleave across the group so
-// that a warp's accesses are contiguous.
-template <int kGroup, int kVec>
-__device__ __forceinline__ int64_t column(int it, int lane) {
-  return (int64_t(it) * kGroup + lane) * kVec;
-}
-
-// This thread's weight vectors, kept as stored (bf16 weights take half the
-// registers) and converted where used; zero past dim.
-template <class W, int kVec, int kGroup, int kIters>
-__device__ __forceinline__ void load_weight(const W* w, int64_t dim, int lane, Vec<W, kVec> (&wv)[kIters]) {
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int64_t col = column<kGroup, kVec>(it, lane);
-    if (col < dim) {
-      wv[it] = load_vec<W, kVec>(w + col);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) wv[it].v[k] = W(0.f);
-    }
-  }
-}
-
 template <class T, class W, int kVec, class C>
 __global__ void __launch_bounds__(C::kBlock) rms_norm_forward_kernel(const RmsNormForwardArgs a) {
   constexpr int kGroup = C::kGroup, kIters = C::kIters, kBlock = C::kBlock, kRows = C::kRows;
@@ -118,7 +83,7 @@ __global__ void __launch_bounds__(C::kBlock) rms_norm_forward_kernel(const RmsNo
   const int64_t rows = a.rows, dim = a.dim;
 
   Vec<W, kVec> wv[kIters];
-  load_weight<W, kVec, kGroup, kIters>(static_cast<const W*>(a.w), dim, lane, wv);
+  load_param<W, kVec, kGroup, kIters>(static_cast<const W*>(a.w), dim, lane, wv);
 
   // The loop bound is uniform over the block (group_sum synchronises it).
   for (int64_t base = int64_t(blockIdx.x) * kRows; base < rows; base += int64_t(gridDim.x) * kRows) {
@@ -255,190 +220,39 @@ __global__ void __launch_bounds__(C::kBlock, C::kBlock < 1024 ? 1024 / C::kBlock
   }
 }
 
-// dw[col] += sum over p of partials[p, col], in a fixed order: 8 slices of
-// the partial rows (p = slice mod 8), each summed in increasing p, then the
-// slices in order.
-constexpr int kReduceCols = 32, kReduceSlices = 8;
-
-__global__ void __launch_bounds__(kReduceCols* kReduceSlices)
-    dw_reduce_kernel(const float* __restrict__ partials, int64_t parts, int64_t dim, float* __restrict__ dw) {
-  __shared__ float sums[kReduceSlices][kReduceCols + 1];
-  const int64_t col = int64_t(blockIdx.x) * kReduceCols + threadIdx.x;
-  float s = 0.f;
-  if (col < dim)
-    for (int64_t p = threadIdx.y; p < parts; p += kReduceSlices) s += partials[p * dim + col];
-  sums[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < dim) {
-    float total = 0.f;
-#pragma unroll
-    for (int k = 0; k < kReduceSlices; ++k) total += sums[k][threadIdx.x];
-    dw[col] += total;
-  }
-}
-
-// ---- dispatch ----
-
-int sm_count() {
-  static std::array<int, 64> counts{};
-  static std::array<std::once_flag, 64> once;
-  int device = 0;
-  SLIME_CUDA_CHECK(cudaGetDevice(&device));
-  SLIME_CHECK(device >= 0 && device < 64, "rms_norm: device index ", device, " out of range");
-  std::call_once(once[std::size_t(device)], [&] {
-    SLIME_CUDA_CHECK(cudaDeviceGetAttribute(&counts[std::size_t(device)], cudaDevAttrMultiProcessorCount, device));
-  });
-  return counts[std::size_t(device)];
-}
-
-// Calls launch(Config<G, I>{}) with the smallest listed configuration whose
-// capacity G * I * kVec covers dim.
-// The backward (kBackward) holds at most 8 elements of a row per thread (2
-// vectors of f32, 1 of bf16; 2 of bf16 only past 8192 columns) under a
-// 64-register cap: with 32 (dim 4096 at Config<128, 4>) the fp32 x, dy and w
-// values live across the row sum beside 32 dw accumulators did not fit in
-// 128 registers and spilled.
-template <int kVec, bool kBackward = false, class Launch>
-void with_config(int64_t dim, Launch&& launch) {
-  auto fits = [dim](int g, int i) { return dim <= int64_t(g) * i * kVec; };
-  if constexpr (kVec > 1 && kBackward) {
-    constexpr int kI = kVec >= 8 ? 1 : 2;
-    if (fits(16, kI)) return launch(Config<16, kI>{});
-    if (fits(32, kI)) return launch(Config<32, kI>{});
-    if (fits(64, kI)) return launch(Config<64, kI>{});
-    if (fits(128, kI)) return launch(Config<128, kI>{});
-    if (fits(256, kI)) return launch(Config<256, kI>{});
-    if (fits(512, kI)) return launch(Config<512, kI>{});
-    if (fits(1024, kI)) return launch(Config<1024, kI>{});
-    if (fits(1024, 2)) return launch(Config<1024, 2>{});
-    SLIME_FAIL("rms_norm: dim ", dim, " exceeds the GPU kernels' limit of ", 2048 * kVec, " for this dtype");
-  } else if constexpr (kVec > 1) {
-    // 128 threads per row from dim 2048 on, 4 vectors each at 4096 (as
-    // TransformerEngine's tuned norms for bf16 hidden 4096): two rows per
-    // 256-thread block, 64 bytes of x (and of dy) in flight per thread.
-    if (fits(16, 1)) return launch(Config<16, 1>{});
-    if (fits(32, 1)) return launch(Config<32, 1>{});
-    if (fits(32, 2)) return launch(Config<32, 2>{});
-    if (fits(64, 2)) return launch(Config<64, 2>{});
-    if (fits(128, 2)) return launch(Config<128, 2>{});
-    if (fits(128, 4)) return launch(Config<128, 4>{});
-    if (fits(256, 4)) return launch(Config<256, 4>{});
-    if (fits(512, 4)) return launch(Config<512, 4>{});
-    SLIME_FAIL("rms_norm: dim ", dim, " exceeds the GPU kernels' limit of ", 2048 * kVec, " for this dtype");
-  } else {
-    if (fits(32, 4)) return launch(Config<32, 4>{});
-    if (fits(128, 4)) return launch(Config<128, 4>{});
-    if (fits(256, 8)) return launch(Config<256, 8>{});
-    if (fits(1024, 8)) return launch(Config<1024, 8>{});
-    SLIME_FAIL("rms_norm: dim ", dim,
-               " exceeds the GPU kernels' limit of 8192 when it is not a multiple of 8 (bf16) "
-               "or 4 (f32), or a pointer is not 16-byte aligned");
-  }
-}
-
-template <class F>
-void dispatch_types(DType x_dtype, DType w_dtype, F&& f) {
-  SLIME_CHECK(x_dtype == DType::f32 || x_dtype == DType::bf16, "rms_norm: x must be f32 or bf16, got ",
-              dtype_name(x_dtype));
-  SLIME_CHECK(w_dtype == DType::f32 || w_dtype == DType::bf16, "rms_norm: w must be f32 or bf16, got ",
-              dtype_name(w_dtype));
-  auto with_w = [&](auto t_tag) {
-    if (w_dtype == DType::f32) {
-      f(t_tag, float{});
-    } else {
-      f(t_tag, BFloat16{});
-    }
-  };
-  if (x_dtype == DType::f32) {
-    with_w(float{});
-  } else {
-    with_w(BFloat16{});
-  }
-}
-
-// The vector width usable for these pointers: 16 bytes of T, or 1.
-template <class T, class W>
-bool vectorizable(int64_t dim, std::initializer_list<const void*> act, const void* w) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (dim % kVec != 0 || !aligned(w, vec_align(sizeof(W), kVec))) return false;
-  for (const void* p : act)
-    if (!aligned(p, 16)) return false;
-  return true;
-}
-
-// Resident blocks per SM of `kernel` with `threads` threads (queried once per
-// kernel).
-template <class Kernel>
-int64_t resident_blocks(Kernel kernel, int threads) {
-  int n = 0;
-  SLIME_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
-  return std::clamp(n, 1, kMaxBlocksPerSm);
-}
-
 }  // namespace
 
 void rms_norm_forward(const RmsNormForwardArgs& args, StreamHandle stream) {
   if (args.rows == 0) return;
   SLIME_CHECK(args.dim > 0, "rms_norm_forward: dim must be positive");
-  dispatch_types(args.x_dtype, args.w_dtype, [&](auto t_tag, auto w_tag) {
-    using T = decltype(t_tag);
-    using W = decltype(w_tag);
-    auto run = [&](auto vec_tag) {
-      constexpr int kVec = decltype(vec_tag)::value;
-      with_config<kVec>(args.dim, [&](auto cfg) {
-        using C = decltype(cfg);
-        auto kernel = rms_norm_forward_kernel<T, W, kVec, C>;
-        static const int64_t per_sm = resident_blocks(kernel, C::kBlock);
-        const int64_t blocks = std::min<int64_t>((args.rows + C::kRows - 1) / C::kRows, per_sm * sm_count());
-        kernel<<<unsigned(blocks), C::kBlock, 0, stream>>>(args);
-        SLIME_CUDA_CHECK_LAUNCH();
-      });
-    };
-    if (vectorizable<T, W>(args.dim, {args.x, args.y}, args.w)) {
-      run(std::integral_constant<int, 16 / sizeof(T)>{});
-    } else {
-      run(std::integral_constant<int, 1>{});
-    }
-  });
+  dispatch<false>("rms_norm", args.x_dtype, args.w_dtype, args.dim, {args.x, args.y}, {args.w},
+                  [&](auto t_tag, auto w_tag, auto vec_tag, auto cfg) {
+                    using C = decltype(cfg);
+                    constexpr auto kernel =
+                        rms_norm_forward_kernel<decltype(t_tag), decltype(w_tag), decltype(vec_tag)::value, C>;
+                    launch_rows<kernel, C>("rms_norm", args.rows, stream, args);
+                  });
 }
 
 std::size_t rms_norm_backward_workspace_bytes(int64_t rows, int64_t dim) {
-  // Every configuration runs at most min(rows, kMaxBlocksPerSm x SMs) blocks.
+  // Every configuration runs at most max_blocks(rows) blocks.
   if (rows == 0 || dim == 0) return 0;
-  return std::size_t(std::min<int64_t>(rows, int64_t(kMaxBlocksPerSm) * sm_count())) * std::size_t(dim) * sizeof(float);
+  return std::size_t(max_blocks("rms_norm", rows)) * std::size_t(dim) * sizeof(float);
 }
 
 void rms_norm_backward(const RmsNormBackwardArgs& args, StreamHandle stream) {
   if (args.rows == 0) return;
   SLIME_CHECK(args.dim > 0, "rms_norm_backward: dim must be positive");
   const std::size_t need = rms_norm_backward_workspace_bytes(args.rows, args.dim);
-  SLIME_CHECK(args.workspace != nullptr && args.workspace_bytes >= need, "rms_norm_backward: workspace of ",
-              args.workspace_bytes, " bytes, needs ", need);
-  SLIME_CHECK(aligned(args.workspace, sizeof(float)), "rms_norm_backward: workspace must be 4-byte aligned");
-  auto* partials = static_cast<float*>(args.workspace);
-  dispatch_types(args.x_dtype, args.w_dtype, [&](auto t_tag, auto w_tag) {
-    using T = decltype(t_tag);
-    using W = decltype(w_tag);
-    auto run = [&](auto vec_tag) {
-      constexpr int kVec = decltype(vec_tag)::value;
-      with_config<kVec, true>(args.dim, [&](auto cfg) {
-        using C = decltype(cfg);
-        auto kernel = rms_norm_backward_kernel<T, W, kVec, C>;
-        static const int64_t per_sm = resident_blocks(kernel, C::kBlock);
-        const int64_t blocks = std::min<int64_t>((args.rows + C::kRows - 1) / C::kRows, per_sm * sm_count());
-        kernel<<<unsigned(blocks), C::kBlock, 0, stream>>>(args, partials);
-        SLIME_CUDA_CHECK_LAUNCH();
-        const dim3 grid(unsigned((args.dim + kReduceCols - 1) / kReduceCols));
-        dw_reduce_kernel<<<grid, dim3(kReduceCols, kReduceSlices), 0, stream>>>(partials, blocks, args.dim, args.dw);
-        SLIME_CUDA_CHECK_LAUNCH();
-      });
-    };
-    if (vectorizable<T, W>(args.dim, {args.x, args.dy, args.dx}, args.w)) {
-      run(std::integral_constant<int, 16 / sizeof(T)>{});
-    } else {
-      run(std::integral_constant<int, 1>{});
-    }
-  });
+  float* partials = workspace_partials("rms_norm_backward", args.workspace, args.workspace_bytes, need);
+  dispatch<true>("rms_norm", args.x_dtype, args.w_dtype, args.dim, {args.x, args.dy, args.dx}, {args.w},
+                 [&](auto t_tag, auto w_tag, auto vec_tag, auto cfg) {
+                   using C = decltype(cfg);
+                   constexpr auto kernel =
+                       rms_norm_backward_kernel<decltype(t_tag), decltype(w_tag), decltype(vec_tag)::value, C>;
+                   const int64_t blocks = launch_rows<kernel, C>("rms_norm", args.rows, stream, args, partials);
+                   reduce_param_grads<1>(partials, blocks, args.dim, args.dw, nullptr, stream);
+                 });
 }
 
 }  // namespace slime::ops::cuda
