@@ -115,7 +115,8 @@ TEST_CASE("Qwen3-VL vision tower f32 on the CPU matches transformers: embeds, de
 
 // bf16 weights and activations (fp32 accumulation and gradients) against the
 // f32 golden: the rounding of the checkpoint and of every activation over
-// two blocks, bounds as the Qwen3 bf16 golden's.
+// two blocks, bounds as the Qwen3 bf16 golden's. Measured: embeds and
+// deepstack 7.7e-3, gradients up to 2.3e-2 (blocks.1.norm1.bias).
 TEST_CASE("Qwen3-VL vision tower bf16 on the CPU matches transformers within bf16 tolerances", "[nn][golden][vision]") {
   const VisionErrors e = run_vision_golden(DType::bf16);
   CHECK(e.embeds <= 2e-2);
