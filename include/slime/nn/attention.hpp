@@ -1,6 +1,8 @@
 // slime/nn/attention.hpp: Qwen3 self-attention over packed sequences:
 // q/k/v projections, per-head RMSNorm of q and k over head_dim (before RoPE,
-// as HF Qwen3Attention), RoPE at per-sequence positions, causal varlen
+// as HF Qwen3Attention), RoPE at per-sequence positions (config.rope: the
+// text rotary, positions [T]; or Qwen3-VL's interleaved MRoPE, positions
+// [T, 3] = (t, h, w) per token), causal varlen
 // attention with GQA (scale 1/sqrt(head_dim)), output projection.
 //
 // The keys and values the queries attend over come from a K/V source
@@ -39,7 +41,7 @@ struct AttentionConfig {
   int num_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
-  double rope_theta = 10000.0;
+  ops::RopeSpec rope = ops::RopeSpec::text(10000.0);  // text: positions [T]; mrope: [T, 3]
   double rms_norm_eps = 1e-6;
 };
 
@@ -108,7 +110,7 @@ struct Attention {
     // The norms save their inputs; RoPE writes new tensors so they stay intact.
     Tensor qn = q_norm.forward(q, ctx.q_norm, stream);
     Tensor kn = k_norm.forward(k, ctx.k_norm, stream);
-    ops::rope_forward(qn, kn, batch.positions, config.rope_theta, qn, kn, stream);  // in place
+    ops::rope_forward(qn, kn, batch.positions, config.rope, qn, kn, stream);  // in place
     Tensor o = Tensor::empty({T, hq, d}, options.dtype, options.device, stream);
     if (sequence_attention != nullptr) {
       SLIME_CHECK(Kv::differentiable, q_proj.weight.name,
@@ -160,7 +162,7 @@ struct Attention {
       ops::attention_backward(ctx.q, ctx.k, ctx.v, ctx.o, ctx.lse, d_o, ctx.cu_seqlens, ctx.cu_seqlens, ctx.max_seqlen,
                               ctx.max_seqlen, dq, dk, dv, {}, attention_ws_, stream);
     }
-    ops::rope_backward(dq, dk, ctx.positions, config.rope_theta, dq, dk, stream);  // in place
+    ops::rope_backward(dq, dk, ctx.positions, config.rope, dq, dk, stream);  // in place
     dq = q_norm.backward(ctx.q_norm, dq, stream, /*dy_is_scratch=*/true);
     dk = k_norm.backward(ctx.k_norm, dk, stream, /*dy_is_scratch=*/true);
     Tensor dx = Tensor::empty({T, config.hidden_size}, options.dtype, options.device, stream);

@@ -47,9 +47,10 @@ struct AuxLoss {
 // ranks.
 using AuxStatsReduce = std::function<void(const Tensor& stats, const Stream& stream)>;
 
-// The calls of a causal LM the loss needs (Qwen3Model, Sharded<Qwen3Model>).
-template <class LM>
-concept CausalLM = requires(LM& lm, const typename LM::Context& cctx, typename LM::Context& ctx, const PackedBatch& b,
+// The calls of a causal LM the loss needs (Qwen3Model, Sharded<Qwen3Model>),
+// over batches of type Batch (PackedBatch; a VLM's nn::VLBatch).
+template <class LM, class Batch = PackedBatch>
+concept CausalLM = requires(LM& lm, const typename LM::Context& cctx, typename LM::Context& ctx, const Batch& b,
                             const Tensor& t, const ops::TokenLogprobs& lp, const AuxLoss& aux, const Stream& s) {
   { lm.forward(b, ctx, s) } -> std::convertible_to<Tensor>;
   { lm.token_logprobs(t, t, 1.f, s) } -> std::convertible_to<ops::TokenLogprobs>;
@@ -60,10 +61,11 @@ concept CausalLM = requires(LM& lm, const typename LM::Context& cctx, typename L
 };
 
 // See the top of this file. loss_weights: undefined, or f32 [T] on any device.
-template <CausalLM LM>
-LossResult causal_lm_loss_and_backward(LM& lm, const PackedBatch& batch, const Tensor& targets,
-                                       const Tensor& loss_weights, float temperature, std::optional<double> normalizer,
-                                       const Stream& stream, bool with_aux_loss) {
+template <class LM, class Batch>
+requires CausalLM<LM, Batch> LossResult causal_lm_loss_and_backward(LM& lm, const Batch& batch, const Tensor& targets,
+                                                                    const Tensor& loss_weights, float temperature,
+                                                                    std::optional<double> normalizer,
+                                                                    const Stream& stream, bool with_aux_loss) {
   const int64_t T = batch.num_tokens();
   std::vector<float> w;
   if (loss_weights.defined()) {

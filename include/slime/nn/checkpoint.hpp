@@ -13,6 +13,7 @@
 // rank accepts or rejects the same directory.
 #pragma once
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -26,6 +27,7 @@
 #include "slime/io/safetensors.hpp"
 #include "slime/nn/config.hpp"
 #include "slime/nn/qwen3.hpp"
+#include "slime/ops/elementwise.hpp"
 
 namespace slime::nn {
 
@@ -61,26 +63,115 @@ inline std::string dims_str(const std::vector<int64_t>& dims) {
 
 }  // namespace detail
 
-// Loads the tensors of the Hugging Face checkpoint in `dir` into `model`'s
-// parameters (converting to the model's dtype, round to nearest even); the
-// directory's config.json is not read (load_hf reads it). Stacked expert parameters read only their experts
-// [first_expert, first_expert + E_local). Throws slime::Error naming the directory, file and tensor for: missing
-// parameters (any expert of the config included), unexpected tensors (other than rotary_emb.inv_freq buffers, and
-// lm_head.weight of a tied model, which transformers ignores too), and shape
-// mismatches.
-inline void load_hf_weights(Qwen3Model& model, const std::filesystem::path& dir) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  SLIME_CHECK(fs::is_directory(dir, ec), "load_hf: checkpoint directory '", dir.string(), "' does not exist");
-  const std::string where = "load_hf('" + dir.string() + "')";
-  const Qwen3Config& config = model.config();
-  const io::SafetensorsDir files(dir);
+// How a checkpoint stores a MoE layer's experts.
+//   per_expert: one tensor per expert and projection (Qwen3-MoE on the hub):
+//     <layer>.mlp.experts.<e>.{gate,up,down}_proj.weight  [out, in]
+//   fused: two stacks per layer (Qwen3-VL-MoE on the hub, what transformers
+//     writes for it):
+//     <layer>.mlp.experts.gate_up_proj  [E, hidden, 2·I]  (gate = [..., :I], up = [..., I:])
+//     <layer>.mlp.experts.down_proj     [E, I, hidden]
+//     i.e. the transposes of the Linear weights [I, hidden] / [hidden, I].
+enum class ExpertLayout : uint8_t { per_expert, fused };
 
+namespace detail {
+
+// Where a stacked expert parameter lives in a fused checkpoint: the fused
+// tensor's name, which half of gate_up_proj (0 gate, 1 up; -1 down_proj).
+struct FusedExpertSlot {
+  std::string name;
+  int half = -1;
+};
+inline FusedExpertSlot fused_expert_slot(const Parameter& p) {
+  const std::size_t at = p.name.find(".experts.{}.");
+  SLIME_CHECK(at != std::string::npos, "fused_expert_slot: '", p.name, "' is not an expert stack");
+  const std::string base = p.name.substr(0, at) + ".experts.";
+  const std::string proj = p.name.substr(at + std::string(".experts.{}.").size());
+  if (proj == "gate_proj.weight") return {base + "gate_up_proj", 0};
+  if (proj == "up_proj.weight") return {base + "gate_up_proj", 1};
+  SLIME_CHECK(proj == "down_proj.weight", "fused_expert_slot: unknown expert projection '", p.name, "'");
+  return {base + "down_proj", -1};
+}
+
+// The fused tensor's shape for stack p ([E_local, out, in]) of E experts.
+inline std::vector<int64_t> fused_expert_dims(const Parameter& p, int64_t experts) {
+  const int64_t out = p.value.size(1), in = p.value.size(2);
+  return fused_expert_slot(p).half >= 0 ? std::vector<int64_t>{experts, in, 2 * out}
+                                        : std::vector<int64_t>{experts, in, out};
+}
+
+// Reads stack p's experts [first_expert, first_expert + E_local) from the
+// fused tensor `fused` (f32 on the host, fused_expert_dims) into p.value.
+inline void read_fused_experts(const Tensor& fused, Parameter& p) {
+  const FusedExpertSlot slot = fused_expert_slot(p);
+  const int64_t n = p.value.size(0), out = p.value.size(1), in = p.value.size(2);
+  const int64_t width = fused.size(2), offset = slot.half > 0 ? out : 0;
+  const std::vector<float> src = fused.to_vector<float>();
+  std::vector<float> dst(std::size_t(n * out * in));
+  for (int64_t i = 0; i < n; ++i) {
+    const float* e = src.data() + (p.first_expert + i) * in * width;
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t k = 0; k < in; ++k) dst[std::size_t((i * out + o) * in + k)] = e[k * width + offset + o];
+  }
+  Tensor host = Tensor::from_vector(dst, p.value.shape());
+  if (p.value.dtype() != DType::f32) {
+    Tensor cast = Tensor::empty(p.value.shape(), p.value.dtype());
+    ops::cast(host, cast);
+    host = cast;
+  }
+  p.value.copy_from(host);
+}
+
+// The fused tensors of a layer's experts from its three stacks (every
+// expert held): gate_up_proj [E, in, 2·out] and down_proj [E, in, out], in
+// the stacks' dtype, on the host.
+inline std::vector<std::pair<std::string, Tensor>> fuse_experts(Parameter& gate, Parameter& up, Parameter& down) {
+  const auto transpose_into = [](const Tensor& stack, std::vector<float>& dst, int64_t width, int64_t offset) {
+    const int64_t n = stack.size(0), out = stack.size(1), in = stack.size(2);
+    Tensor f = Tensor::empty(stack.shape(), DType::f32);
+    ops::cast(stack.to(Device::cpu()), f);
+    const std::vector<float> src = f.to_vector<float>();
+    for (int64_t e = 0; e < n; ++e)
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t k = 0; k < in; ++k)
+          dst[std::size_t((e * in + k) * width + offset + o)] = src[std::size_t((e * out + o) * in + k)];
+  };
+  const int64_t E = gate.value.size(0), I = gate.value.size(1), H = gate.value.size(2);
+  std::vector<float> gu(std::size_t(E * H * 2 * I)), dn(std::size_t(E * I * H));
+  transpose_into(gate.value, gu, 2 * I, 0);
+  transpose_into(up.value, gu, 2 * I, I);
+  transpose_into(down.value, dn, H, 0);
+  const auto as = [&](const std::vector<float>& v, Shape shape) {
+    Tensor t = Tensor::from_vector(v, shape);
+    if (gate.value.dtype() == DType::f32) return t;
+    Tensor c = Tensor::empty(shape, gate.value.dtype());
+    ops::cast(t, c);
+    return c;
+  };
+  return {{fused_expert_slot(gate).name, as(gu, Shape{E, H, 2 * I})},
+          {fused_expert_slot(down).name, as(dn, Shape{E, I, H})}};
+}
+
+}  // namespace detail
+
+// Loads the tensors of the Hugging Face checkpoint in `files` into `model`'s
+// parameters (converting to the model's dtype, round to nearest even); no
+// config.json is read (load_hf reads it). Stacked expert parameters read only
+// their experts [first_expert, first_expert + E_local), in `layout`. Tensors
+// whose name starts with one of `foreign_prefixes` belong to another part of
+// the checkpoint (a VLM's vision tower) and are skipped. Throws slime::Error
+// naming `where`, the file and the tensor for: missing parameters (any
+// expert of the config included), unexpected tensors (other than
+// rotary_emb.inv_freq buffers, and lm_head.weight of a tied model, which
+// transformers ignores too), and shape mismatches.
+inline void load_hf_weights(Qwen3Model& model, const io::SafetensorsDir& files, const std::string& where,
+                            ExpertLayout layout = ExpertLayout::per_expert,
+                            const std::vector<std::string>& foreign_prefixes = {}) {
+  const Qwen3Config& config = model.config();
   std::set<std::string> expected;
   std::vector<std::string> missing;
   std::vector<std::string> bad_shape;
   const auto check = [&](const std::string& name, const std::vector<int64_t>& want) {
-    expected.insert(name);
+    if (!expected.insert(name).second) return;  // a fused tensor serves two stacks
     if (!files.contains(name)) {
       missing.push_back(name);
       return;
@@ -95,9 +186,13 @@ inline void load_hf_weights(Qwen3Model& model, const std::filesystem::path& dir)
       check(p.name, std::vector<int64_t>(p.value.shape().begin(), p.value.shape().end()));
       return;
     }
-    SLIME_CHECK(p.value.dim() >= 2 && p.first_expert >= 0 && p.first_expert + p.value.size(0) <= config.num_experts,
+    SLIME_CHECK(p.value.dim() == 3 && p.first_expert >= 0 && p.first_expert + p.value.size(0) <= config.num_experts,
                 where, ": stacked expert parameter '", p.name, "' ", p.value.str(), " with first_expert ",
                 p.first_expert, " does not fit num_experts = ", config.num_experts);
+    if (layout == ExpertLayout::fused) {
+      check(detail::fused_expert_slot(p).name, detail::fused_expert_dims(p, config.num_experts));
+      return;
+    }
     for (int64_t e = 0; e < config.num_experts; ++e)
       check(p.expert_name(e - p.first_expert), detail::expert_dims(p.value));  // expert e, held or not
   });
@@ -105,6 +200,9 @@ inline void load_hf_weights(Qwen3Model& model, const std::filesystem::path& dir)
   for (const std::string& name : files.names()) {
     if (expected.count(name) || detail::is_ignored_checkpoint_tensor(name)) continue;
     if (config.tie_word_embeddings && name == "lm_head.weight") continue;
+    if (std::any_of(foreign_prefixes.begin(), foreign_prefixes.end(),
+                    [&](const std::string& f) { return name.starts_with(f); }))
+      continue;
     unexpected.push_back(name);
   }
   SLIME_CHECK(missing.empty(), where, ": ", missing.size(),
@@ -119,11 +217,24 @@ inline void load_hf_weights(Qwen3Model& model, const std::filesystem::path& dir)
       files.read_into(p.name, p.value);
       return;
     }
+    if (layout == ExpertLayout::fused) {
+      const std::string name = detail::fused_expert_slot(p).name;
+      detail::read_fused_experts(files.file_of(name).read(name, DType::f32), p);
+      return;
+    }
     for (int64_t i = 0; i < p.value.size(0); ++i) {
       Tensor entry = detail::expert_entry(p.value, i);
       files.read_into(p.expert_name(i), entry);
     }
   });
+}
+
+// The same from the directory `dir` (model.safetensors or a sharded index).
+inline void load_hf_weights(Qwen3Model& model, const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  SLIME_CHECK(fs::is_directory(dir, ec), "load_hf: checkpoint directory '", dir.string(), "' does not exist");
+  load_hf_weights(model, io::SafetensorsDir(dir), "load_hf('" + dir.string() + "')");
 }
 
 // Loads the Hugging Face checkpoint in `dir` (config.json plus

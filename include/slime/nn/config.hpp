@@ -5,6 +5,12 @@
 // checkpoint means the same model here as there:
 // - model_type "qwen3" or "qwen3_moe"; when absent it is taken from
 //   "architectures", else from whether num_experts is present and positive.
+//   Qwen3-VL's language models ("text_config" of a Qwen3-VL config.json,
+//   model_type "qwen3_vl_text" dense or "qwen3_vl_moe_text" MoE) read the
+//   same fields with the dense / MoE defaults, plus interleaved MRoPE:
+//   rope_parameters.mrope_section (pairs per t, h, w axis, summing to
+//   head_dim / 2; mrope_section) with mrope_interleaved true (Qwen3-VL's
+//   layout; the non-interleaved Qwen2-VL layout is an error).
 // - vocab_size, hidden_size, intermediate_size, num_hidden_layers and
 //   num_attention_heads are required (no real checkpoint omits them; a
 //   missing one means the wrong file). Other fields, when absent or null,
@@ -49,6 +55,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -63,11 +70,31 @@
 
 #include "slime/core/dtype.hpp"
 #include "slime/core/error.hpp"
+#include "slime/ops/cpu/rope.hpp"
 
 namespace slime::nn {
 
+namespace detail {
+
+// Parses the JSON file `path`; errors name it.
+inline nlohmann::json read_json_file(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) SLIME_FAIL("config '", path.string(), "': cannot open");
+  std::stringstream text;
+  text << in.rdbuf();
+  try {
+    return nlohmann::json::parse(text.str());
+  } catch (const nlohmann::json::exception& e) {
+    SLIME_FAIL("config '", path.string(), "': not valid JSON: ", e.what());
+  }
+}
+
+}  // namespace detail
+
 struct Qwen3Config {
-  std::string model_type = "qwen3";  // "qwen3" (dense) or "qwen3_moe"
+  // "qwen3" (dense), "qwen3_moe", or a Qwen3-VL language model:
+  // "qwen3_vl_text" (dense), "qwen3_vl_moe_text" (MoE)
+  std::string model_type = "qwen3";
 
   int64_t vocab_size = 151936;
   int64_t hidden_size = 4096;
@@ -79,6 +106,9 @@ struct Qwen3Config {
   int64_t max_position_embeddings = 32768;
   double rms_norm_eps = 1e-6;
   double rope_theta = 10000.0;
+  // Interleaved MRoPE (Qwen3-VL): rotation pairs per (t, h, w) axis; all 0
+  // for the text rotary. Positions are then [tokens, 3].
+  std::array<int64_t, 3> mrope_section{};
   bool tie_word_embeddings = false;
   DType torch_dtype = DType::f32;
   bool attention_bias = false;
@@ -102,6 +132,14 @@ struct Qwen3Config {
   std::string source;
 
   bool is_moe() const { return num_experts > 0; }
+  // Whether model_type names a MoE model (qwen3_moe, qwen3_vl_moe_text).
+  bool is_moe_type() const { return model_type == "qwen3_moe" || model_type == "qwen3_vl_moe_text"; }
+  bool is_vl_text() const { return model_type == "qwen3_vl_text" || model_type == "qwen3_vl_moe_text"; }
+  bool uses_mrope() const { return mrope_section[0] + mrope_section[1] + mrope_section[2] > 0; }
+  // The rotary the attention applies (positions [tokens, rope().axes()]).
+  ops::RopeSpec rope() const {
+    return uses_mrope() ? ops::RopeSpec::mrope(rope_theta, mrope_section) : ops::RopeSpec::text(rope_theta);
+  }
 
   // Qwen3-MoE's rule (Qwen3MoeDecoderLayer): layer i holds experts iff
   // i is not in mlp_only_layers, num_experts > 0 and (i + 1) %
@@ -126,8 +164,8 @@ struct Qwen3Config {
 
   // Throws slime::Error naming the field, its value and the source.
   void validate() const {
-    if (model_type != "qwen3" && model_type != "qwen3_moe")
-      fail("model_type = '", model_type, "' is not a Qwen3 model type (expected 'qwen3' or 'qwen3_moe')");
+    if (!known_model_type(model_type))
+      fail("model_type = '", model_type, "' is not a Qwen3 model type (expected ", kModelTypes, ")");
     positive("vocab_size", vocab_size);
     positive("hidden_size", hidden_size);
     positive("intermediate_size", intermediate_size);
@@ -143,9 +181,16 @@ struct Qwen3Config {
     if (!(std::isfinite(rms_norm_eps) && rms_norm_eps > 0)) fail("rms_norm_eps = ", rms_norm_eps, " must be > 0");
     if (!(std::isfinite(rope_theta) && rope_theta > 0)) fail("rope_theta = ", rope_theta, " must be > 0");
     if (!is_floating(torch_dtype)) fail("torch_dtype = ", dtype_name(torch_dtype), " is not a floating-point dtype");
-    if (model_type == "qwen3" && num_experts != 0)
-      fail("num_experts = ", num_experts, " but model_type 'qwen3' is dense (use 'qwen3_moe')");
-    if (model_type == "qwen3_moe") {
+    if (!is_moe_type() && num_experts != 0)
+      fail("num_experts = ", num_experts, " but model_type '", model_type, "' is dense");
+    if (uses_mrope()) {
+      const auto& m = mrope_section;
+      if (m[0] < 0 || m[1] < 0 || m[2] < 0 || m[0] + m[1] + m[2] != head_dim / 2)
+        fail("mrope_section [", m[0], ", ", m[1], ", ", m[2],
+             "] must be >= 0 and sum to head_dim / 2 = ", head_dim / 2);
+    }
+    if (is_vl_text() && !uses_mrope()) fail("model_type '", model_type, "' needs rope_parameters.mrope_section");
+    if (is_moe_type()) {
       positive("num_experts", num_experts);
       positive("num_experts_per_tok", num_experts_per_tok);
       if (num_experts_per_tok > num_experts)
@@ -180,9 +225,9 @@ struct Qwen3Config {
       if (e == nullptr) e = r.find("num_local_experts");
       c.model_type = e != nullptr && e->is_number() && e->get<double>() > 0 ? "qwen3_moe" : "qwen3";
     }
-    if (c.model_type != "qwen3" && c.model_type != "qwen3_moe")
-      c.fail("model_type = '", c.model_type, "' is not a Qwen3 model type (expected 'qwen3' or 'qwen3_moe')");
-    const bool moe = c.model_type == "qwen3_moe";
+    if (!known_model_type(c.model_type))
+      c.fail("model_type = '", c.model_type, "' is not a Qwen3 model type (expected ", kModelTypes, ")");
+    const bool moe = c.is_moe_type();
     r.take("model_type");
     r.take("architectures");
 
@@ -245,6 +290,21 @@ struct Qwen3Config {
           }
         if (type != "default")
           c.fail(key, " has rope_type '", type, "'; slime implements only the default RoPE (no scaling)");
+        if (auto it = p->find("mrope_section"); it != p->end() && !it->is_null()) {
+          if (!it->is_array() || it->size() != 3)
+            c.fail(key, ".mrope_section is not an array of 3 integers: ", it->dump());
+          for (std::size_t a = 0; a < 3; ++a) {
+            const nlohmann::json& e = (*it)[a];
+            if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX)
+              c.fail(key, ".mrope_section = ", it->dump(), " holds ", e.dump(),
+                     ", which is not a count of rotation pairs");
+            c.mrope_section[a] = e.get<int64_t>();
+          }
+          const auto il = p->find("mrope_interleaved");
+          if (il == p->end() || !il->is_boolean() || !il->get<bool>())
+            c.fail(key, " has an mrope_section but mrope_interleaved is not true; slime implements Qwen3-VL's ",
+                   "interleaved MRoPE only");
+        }
         if (auto it = p->find("rope_theta"); it != p->end()) {
           if (!it->is_number()) c.fail(key, ".rope_theta is not a number: ", it->dump());
           const double v = it->get<double>();
@@ -275,6 +335,7 @@ struct Qwen3Config {
       r.take("num_experts");
       r.take("num_local_experts");
       if (a && b && *a != *b) c.fail("num_experts = ", *a, " and num_local_experts = ", *b, " disagree");
+      // Qwen3VLMoeTextConfig's defaults are Qwen3MoeConfig's.
       c.num_experts = a ? *a : b ? *b : 128;
       c.num_experts_per_tok = r.int32_or("num_experts_per_tok", 8);
       c.moe_intermediate_size = r.int_or("moe_intermediate_size", 768);
@@ -296,7 +357,7 @@ struct Qwen3Config {
       // A dense model_type with experts is a contradiction, not a dense model.
       for (const char* key : {"num_experts", "num_local_experts"})
         if (const auto* e = r.find(key); e != nullptr && e->is_number() && e->get<double>() > 0)
-          c.fail(key, " = ", e->dump(), " but model_type 'qwen3' is dense (expected 'qwen3_moe')");
+          c.fail(key, " = ", e->dump(), " but model_type '", c.model_type, "' is dense (expected a MoE type)");
       c.num_experts = 0;
       c.num_experts_per_tok = 0;
       c.moe_intermediate_size = 0;
@@ -310,25 +371,15 @@ struct Qwen3Config {
 
   // Reads and validates a config.json file; errors name the file.
   static Qwen3Config from_file(const std::filesystem::path& path) {
-    std::ifstream in(path);
-    if (!in) SLIME_FAIL("config '", path.string(), "': cannot open");
-    std::stringstream text;
-    text << in.rdbuf();
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text.str());
-    } catch (const nlohmann::json::exception& e) {
-      SLIME_FAIL("config '", path.string(), "': not valid JSON: ", e.what());
-    }
-    return from_json(j, path.string());
+    return from_json(detail::read_json_file(path), path.string());
   }
 
   // config.json as transformers' Qwen3Config / Qwen3MoeConfig expect it.
   nlohmann::json to_json() const {
     validate();
     nlohmann::json j = extra;
-    const bool moe = model_type == "qwen3_moe";
-    j["architectures"] = {moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"};
+    const bool moe = is_moe_type();
+    if (!is_vl_text()) j["architectures"] = {moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"};
     j["model_type"] = model_type;
     j["vocab_size"] = vocab_size;
     j["hidden_size"] = hidden_size;
@@ -341,6 +392,10 @@ struct Qwen3Config {
     j["rms_norm_eps"] = rms_norm_eps;
     j["rope_theta"] = rope_theta;
     j["rope_parameters"] = {{"rope_theta", rope_theta}, {"rope_type", "default"}};
+    if (uses_mrope()) {
+      j["rope_parameters"]["mrope_section"] = mrope_section;
+      j["rope_parameters"]["mrope_interleaved"] = true;
+    }
     j["tie_word_embeddings"] = tie_word_embeddings;
     j["torch_dtype"] = hf_dtype_name(torch_dtype);
     j["dtype"] = hf_dtype_name(torch_dtype);
@@ -361,6 +416,11 @@ struct Qwen3Config {
   }
 
  private:
+  static constexpr const char* kModelTypes = "'qwen3', 'qwen3_moe', 'qwen3_vl_text' or 'qwen3_vl_moe_text'";
+  static bool known_model_type(const std::string& t) {
+    return t == "qwen3" || t == "qwen3_moe" || t == "qwen3_vl_text" || t == "qwen3_vl_moe_text";
+  }
+
   static std::string_view hf_dtype_name(DType t) {
     switch (t) {
       case DType::f32:

@@ -27,6 +27,15 @@
 // follows config.output_router_logits). The aux loss of a micro-batch covers
 // that micro-batch's tokens (HF: one forward call's batch).
 //
+// Qwen3-VL's language model is this class too (model_type qwen3_vl_text /
+// qwen3_vl_moe_text, HF prefix "model.language_model"): its attention
+// rotates by interleaved MRoPE (batch.positions [T, 3]), and forward takes
+// the image features (VisualEmbeds): the merged patch embeddings replace the
+// embeddings of the image-pad rows, and deepstack feature j is added to
+// those rows after decoder layer j (transformers' Qwen3VLTextModel);
+// backward returns their gradients (VisualGrads). nn::Qwen3VLModel
+// (nn/qwen3_vl.hpp) runs the vision tower and this model as one.
+//
 // Dtypes: f32 weights and activations (the CPU reference) or bf16 (the GPU
 // model; CUDA attention is bf16 only, head_dim 64 or 128); gradients fp32.
 #pragma once
@@ -49,11 +58,32 @@
 #include "slime/nn/rms_norm.hpp"
 #include "slime/nn/token_dispatcher.hpp"
 #include "slime/nn/units.hpp"
+#include "slime/ops/elementwise.hpp"
+#include "slime/ops/index_rows.hpp"
 #include "slime/ops/linear.hpp"
 #include "slime/ops/router.hpp"
 #include "slime/ops/token_logprobs.hpp"
 
 namespace slime::nn {
+
+// Image features a Qwen3-VL language model takes in forward (all on the
+// model's device, in its dtype): rows i32 [N] are the packed rows of the
+// image-pad tokens (strictly increasing), embeds [N, D] replace their
+// embeddings, deepstack[j] [N, D] is added to them after decoder layer j.
+// An undefined `rows` means no images.
+struct VisualEmbeds {
+  Tensor rows;
+  Tensor embeds;
+  std::vector<Tensor> deepstack;
+};
+
+// The gradients of a backward w.r.t. the VisualEmbeds of its forward
+// (written): embeds [N, D], deepstack[j] [N, D]. Empty when the forward had
+// no images.
+struct VisualGrads {
+  Tensor embeds;
+  std::vector<Tensor> deepstack;
+};
 
 class Qwen3Model {
  public:
@@ -65,6 +95,8 @@ class Qwen3Model {
     std::vector<DecoderLayer::Context> layers;
     RMSNorm::Context norm;
     bool differentiable = false;  // from a forward backward may follow (SelfKv)
+    Tensor visual_rows;           // VisualEmbeds::rows of the forward (undefined: no images)
+    std::size_t deepstack = 0;    // how many deepstack features it added
   };
 
   Qwen3Model() = default;
@@ -74,8 +106,11 @@ class Qwen3Model {
   // (optional, MoE only; e.g. a parallel::ExpertParallel) is handed to every
   // sparse block: it moves the tokens to the experts and decides which
   // experts this rank holds (Parameter::first_expert and the stacks' dim 0).
-  Qwen3Model(const Qwen3Config& config, ModuleOptions opt, DispatcherRef dispatcher = {})
-      : config_(config), options_(opt) {
+  // `prefix` is the HF module path of the decoder ("model"; a Qwen3-VL
+  // language model's is "model.language_model"); the LM head is
+  // "lm_head.weight" either way.
+  Qwen3Model(const Qwen3Config& config, ModuleOptions opt, DispatcherRef dispatcher = {}, std::string prefix = "model")
+      : config_(config), options_(opt), prefix_(std::move(prefix)) {
     config_.validate();
     const std::string where = config.source.empty() ? std::string("Qwen3Model") : "Qwen3Model('" + config.source + "')";
     detail::check_module_options(opt, where);
@@ -91,9 +126,9 @@ class Qwen3Model {
     attn.num_heads = config_.num_attention_heads;
     attn.num_kv_heads = config_.num_key_value_heads;
     attn.head_dim = config_.head_dim;
-    attn.rope_theta = config_.rope_theta;
+    attn.rope = config_.rope();
     attn.rms_norm_eps = config_.rms_norm_eps;
-    embed_tokens_ = Embedding("model.embed_tokens", config_.vocab_size, config_.hidden_size, opt);
+    embed_tokens_ = Embedding(prefix_ + ".embed_tokens", config_.vocab_size, config_.hidden_size, opt);
     layers_.reserve(std::size_t(config_.num_hidden_layers));
     MoeBlockConfig moe;
     moe.hidden_size = config_.hidden_size;
@@ -102,14 +137,14 @@ class Qwen3Model {
     moe.num_experts_per_tok = config_.num_experts_per_tok;
     moe.norm_topk_prob = config_.norm_topk_prob;
     for (int i = 0; i < config_.num_hidden_layers; ++i) {
-      const std::string prefix = "model.layers." + std::to_string(i);
+      const std::string layer = prefix_ + ".layers." + std::to_string(i);
       if (config_.is_sparse_layer(i)) {
-        layers_.emplace_back(prefix, attn, moe, opt, dispatcher);
+        layers_.emplace_back(layer, attn, moe, opt, dispatcher);
       } else {
-        layers_.emplace_back(prefix, attn, config_.intermediate_size, opt);
+        layers_.emplace_back(layer, attn, config_.intermediate_size, opt);
       }
     }
-    norm_ = RMSNorm("model.norm", config_.hidden_size, config_.rms_norm_eps, opt);
+    norm_ = RMSNorm(prefix_ + ".norm", config_.hidden_size, config_.rms_norm_eps, opt);
     if (!config_.tie_word_embeddings) {
       lm_head_.name = "lm_head.weight";
       lm_head_.value = Tensor::empty({config_.vocab_size, config_.hidden_size}, opt.dtype, opt.device);
@@ -117,6 +152,9 @@ class Qwen3Model {
   }
 
   const Qwen3Config& config() const { return config_; }
+  // The decoder's config (here the model's own; a VLM's is its text model's).
+  const Qwen3Config& language_config() const { return config_; }
+  const std::string& prefix() const { return prefix_; }
   const ModuleOptions& options() const { return options_; }
   Device device() const { return options_.device; }
   DType dtype() const { return options_.dtype; }
@@ -155,25 +193,26 @@ class Qwen3Model {
     init_parameters(*this, seed, std, stream);
   }
 
-  // The units (nn/units.hpp), in forward order: "model.embed_tokens" (with
-  // the LM head when tied), per decoder layer "model.layers.<i>" and, for a
-  // sparse layer whose experts are split over ranks (a dispatcher of degree
-  // > 1), a second unit "model.layers.<i>.mlp.experts" (UnitKind::expert)
-  // right after it with the stacked expert weights (this rank's slice; the
-  // router gate stays in the layer's unit); last "model.norm" (with the LM
-  // head, "model.norm+lm_head", when untied).
+  // The units (nn/units.hpp), in forward order ("model" is prefix()):
+  // "model.embed_tokens" (with the LM head when tied), per decoder layer
+  // "model.layers.<i>" and, for a sparse layer whose experts are split over
+  // ranks (a dispatcher of degree > 1), a second unit
+  // "model.layers.<i>.mlp.experts" (UnitKind::expert) right after it with the
+  // stacked expert weights (this rank's slice; the router gate stays in the
+  // layer's unit); last "model.norm" (with the LM head, "model.norm+lm_head",
+  // when untied).
   std::vector<Unit> units() {
     std::vector<Unit> u;
     auto add = [&](std::string name) -> Unit& {
       u.push_back(Unit{std::move(name), {}, UnitKind::dense, 1, false});
       return u.back();
     };
-    Unit& embed = add("model.embed_tokens");
+    Unit& embed = add(prefix_ + ".embed_tokens");
     embed_tokens_.for_each_parameter([&](Parameter& p) { embed.params.push_back(&p); });
     embed.has_lm_head = config_.tie_word_embeddings;
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       DecoderLayer& layer = layers_[i];
-      const std::string name = "model.layers." + std::to_string(i);
+      const std::string name = prefix_ + ".layers." + std::to_string(i);
       add(name);
       if (has_expert_unit(layer)) {
         Unit experts{name + ".mlp.experts", {}, UnitKind::expert, layer.moe->expert_degree(), false};
@@ -184,10 +223,10 @@ class Qwen3Model {
         layer.for_each_parameter([&](Parameter& p) { u.back().params.push_back(&p); });
       }
     }
-    Unit& last = add("model.norm");
+    Unit& last = add(prefix_ + ".norm");
     norm_.for_each_parameter([&](Parameter& p) { last.params.push_back(&p); });
     if (!config_.tie_word_embeddings) {
-      last.name = "model.norm+lm_head";
+      last.name = prefix_ + ".norm+lm_head";
       last.params.push_back(&lm_head_);
       last.has_lm_head = true;
     }
@@ -200,17 +239,23 @@ class Qwen3Model {
   // the batch's own, and ctx keeps what backward needs; CachedKv, a KV cache
   // (decode: the batch holds each sequence's new tokens at their positions,
   // see CachedKv), and ctx keeps one layer's context, reused by every layer,
-  // so no backward, aux loss or router logits follow.
+  // so no backward, aux loss or router logits follow. `visual`: the image
+  // features of a Qwen3-VL batch (see VisualEmbeds; default none).
   template <UnitHooks Hooks = NoHooks, KvSource Kv = SelfKv>
-  Tensor forward(const PackedBatch& batch, Context& ctx, const Stream& stream, Hooks& hooks, const Kv& kv = {}) {
+  Tensor forward(const PackedBatch& batch, Context& ctx, const Stream& stream, Hooks& hooks, const Kv& kv = {},
+                 const VisualEmbeds& visual = {}) {
     check_batch(batch);
+    check_visual(visual, batch);
     ctx.batch = batch;
     ctx.differentiable = Kv::differentiable;
     ctx.layers.resize(Kv::differentiable ? layers_.size() : 1);
+    ctx.visual_rows = visual.rows;
+    ctx.deepstack = visual.rows.defined() ? visual.deepstack.size() : 0;
     hooks.forward_begin(0);
     Tensor h = embed_tokens_.forward(batch.tokens, ctx.embed_tokens, stream);
     hooks.forward_end(0);
-    std::size_t u = 1;  // the layer's (first) unit
+    if (visual.rows.defined()) ops::scatter_rows(visual.embeds, visual.rows, h, stream);  // masked_scatter
+    std::size_t u = 1;                                                                    // the layer's (first) unit
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       const bool experts = has_expert_unit(layers_[i]);
       hooks.forward_begin(u);
@@ -219,6 +264,12 @@ class Qwen3Model {
       if (experts) hooks.forward_end(u + 1);
       hooks.forward_end(u);
       u += experts ? 2 : 1;
+      if (i < ctx.deepstack) {  // h[rows] += deepstack[i]
+        Tensor r = Tensor::empty(visual.deepstack[i].shape(), options_.dtype, options_.device, stream);
+        ops::gather_rows(h, visual.rows, r, stream);
+        ops::add_(r, visual.deepstack[i], stream);
+        ops::scatter_rows(r, visual.rows, h, stream);
+      }
     }
     hooks.forward_begin(u);
     h = norm_.forward(h, ctx.norm, stream);
@@ -233,10 +284,12 @@ class Qwen3Model {
   // Accumulates the gradients of every parameter but the LM head from
   // d_hidden [T, D] (the gradient of forward's output) and, when `aux` holds
   // gradients (aux_loss_and_grad of the same ctx), of the load-balancing loss.
-  // `hooks` are called around every unit, in reverse order.
+  // `hooks` are called around every unit, in reverse order. When the forward
+  // took VisualEmbeds, their gradients are written into *visual_grads (if
+  // given; a frozen vision tower passes none).
   template <UnitHooks Hooks>
-  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream, Hooks& hooks,
-                const AuxLoss& aux = {}) {
+  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream, Hooks& hooks, const AuxLoss& aux = {},
+                VisualGrads* visual_grads = nullptr) {
     check_context(ctx, "backward");
     SLIME_CHECK(aux.dlogits.empty() || aux.dlogits.size() == layers_.size(), "Qwen3Model::backward: aux.dlogits holds ",
                 aux.dlogits.size(), " tensors, expected none or one per layer (", layers_.size(),
@@ -246,22 +299,41 @@ class Qwen3Model {
     hooks.backward_begin(u);
     Tensor d = norm_.backward(ctx.norm, d_hidden, stream);
     hooks.backward_end(u);
+    const bool images = ctx.visual_rows.defined();
+    const int64_t n_image = images ? ctx.visual_rows.numel() : 0;
+    const auto gather_image_rows = [&](const Tensor& d) {
+      Tensor g = Tensor::empty({n_image, config_.hidden_size}, options_.dtype, options_.device, stream);
+      ops::gather_rows(d, ctx.visual_rows, g, stream);
+      return g;
+    };
+    if (visual_grads != nullptr) *visual_grads = VisualGrads{};
+    if (visual_grads != nullptr && images) visual_grads->deepstack.resize(ctx.deepstack);
     for (std::size_t i = layers_.size(); i-- > 0;) {
       const bool experts = has_expert_unit(layers_[i]);
       u -= experts ? 2 : 1;
+      // deepstack[i] was added to layer i's output: its gradient is d there.
+      if (visual_grads != nullptr && i < ctx.deepstack) visual_grads->deepstack[i] = gather_image_rows(d);
       if (experts) hooks.backward_begin(u + 1);
       hooks.backward_begin(u);
       d = layers_[i].backward(ctx.layers[i], d, stream, aux.dlogits.empty() ? Tensor{} : aux.dlogits[i]);
       if (experts) hooks.backward_end(u + 1);
       hooks.backward_end(u);
     }
+    if (images) {
+      // The image rows' embeddings were replaced: their gradient goes to the
+      // tower, none to the embedding table.
+      if (visual_grads != nullptr) visual_grads->embeds = gather_image_rows(d);
+      ops::scatter_rows(Tensor::zeros({n_image, config_.hidden_size}, options_.dtype, options_.device, stream),
+                        ctx.visual_rows, d, stream);
+    }
     hooks.backward_begin(0);
     embed_tokens_.backward(ctx.embed_tokens, d, stream);
     hooks.backward_end(0);
   }
-  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream = {}, const AuxLoss& aux = {}) {
+  void backward(const Context& ctx, const Tensor& d_hidden, const Stream& stream = {}, const AuxLoss& aux = {},
+                VisualGrads* visual_grads = nullptr) {
     NoHooks none;
-    backward(ctx, d_hidden, stream, none, aux);
+    backward(ctx, d_hidden, stream, none, aux, visual_grads);
   }
 
   // Sequence parallelism: every layer's attention runs through `sa`
@@ -414,8 +486,33 @@ class Qwen3Model {
     SLIME_CHECK(b.num_tokens() > 0 && b.tokens.dim() == 1 && b.tokens.numel() == b.num_tokens(),
                 "Qwen3Model::forward: batch.tokens must be [", b.num_tokens(), "] (cu_seqlens_host.back()), got ",
                 b.tokens.str());
-    check_shape(b.positions, b.tokens.shape(), "Qwen3Model::forward: batch.positions");
+    if (config_.uses_mrope()) {
+      check_shape(b.positions, Shape{b.num_tokens(), 3},
+                  "Qwen3Model::forward: batch.positions (MRoPE: (t, h, w) per token, nn::mrope_positions)");
+    } else {
+      check_shape(b.positions, b.tokens.shape(), "Qwen3Model::forward: batch.positions");
+    }
     check_shape(b.cu_seqlens, Shape{int64_t(b.cu_seqlens_host.size())}, "Qwen3Model::forward: batch.cu_seqlens");
+  }
+
+  void check_visual(const VisualEmbeds& v, const PackedBatch& b) const {
+    if (!v.rows.defined()) return;
+    const char* w = "Qwen3Model::forward: visual";
+    SLIME_CHECK(config_.uses_mrope(), w, ": image features need a Qwen3-VL language model (MRoPE), this one is '",
+                config_.model_type, "'");
+    check_dtype(v.rows, DType::i32, std::string(w) + ".rows");
+    SLIME_CHECK(v.rows.dim() == 1 && v.rows.numel() <= b.num_tokens() && v.rows.device() == options_.device, w,
+                ".rows must be i32 [N <= ", b.num_tokens(), "] on ", options_.device, ", got ", v.rows.str());
+    const int64_t n = v.rows.numel();
+    detail::check_activation(v.embeds, options_, config_.hidden_size, std::string(w) + ".embeds");
+    check_shape(v.embeds, Shape{n, config_.hidden_size}, std::string(w) + ".embeds (one row per image-pad token)");
+    SLIME_CHECK(v.deepstack.size() <= layers_.size(), w, ": ", v.deepstack.size(),
+                " deepstack features, more than the ", layers_.size(), " decoder layers");
+    for (std::size_t j = 0; j < v.deepstack.size(); ++j) {
+      const std::string what = std::string(w) + ".deepstack[" + std::to_string(j) + "]";
+      detail::check_activation(v.deepstack[j], options_, config_.hidden_size, what);
+      check_shape(v.deepstack[j], Shape{n, config_.hidden_size}, what);
+    }
   }
 
   void check_context(const Context& ctx, const char* op) const {
@@ -434,6 +531,7 @@ class Qwen3Model {
 
   Qwen3Config config_;
   ModuleOptions options_;
+  std::string prefix_ = "model";
   Embedding embed_tokens_;
   std::vector<DecoderLayer> layers_;
   RMSNorm norm_;

@@ -56,6 +56,18 @@ struct NoHooks {
 };
 static_assert(UnitHooks<NoHooks>);
 
+// Hooks of a part of a model whose units start at `offset` in the whole
+// model's list (a VLM's language model after its vision tower's units).
+template <UnitHooks H>
+struct OffsetHooks {
+  H& hooks;
+  std::size_t offset = 0;
+  void forward_begin(std::size_t u) { hooks.forward_begin(offset + u); }
+  void forward_end(std::size_t u) { hooks.forward_end(offset + u); }
+  void backward_begin(std::size_t u) { hooks.backward_begin(offset + u); }
+  void backward_end(std::size_t u) { hooks.backward_end(offset + u); }
+};
+
 // A model whose units a wrapper can drive.
 template <class M>
 concept HasUnits = requires(M& m) {

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "slime/core/error.hpp"
+#include "slime/nn/config.hpp"
 
 namespace slime::nn {
 
@@ -145,17 +146,27 @@ struct Qwen3VLVisionConfig {
 
   // Reads a config.json (the Qwen3-VL one, or a bare vision config); errors name the file.
   static Qwen3VLVisionConfig from_file(const std::filesystem::path& path) {
-    std::ifstream in(path);
-    if (!in) SLIME_FAIL("config '", path.string(), "': cannot open");
-    std::stringstream text;
-    text << in.rdbuf();
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(text.str());
-    } catch (const nlohmann::json::exception& e) {
-      SLIME_FAIL("config '", path.string(), "': not valid JSON: ", e.what());
-    }
-    return from_json(j, path.string());
+    return from_json(detail::read_json_file(path), path.string());
+  }
+
+  // The vision_config object as transformers writes it; `model_type` is the
+  // whole model's ("qwen3_vl" or "qwen3_vl_moe").
+  nlohmann::json to_json(const std::string& model_type = "qwen3_vl") const {
+    validate();
+    return {{"model_type", model_type + "_vision"},
+            {"depth", depth},
+            {"hidden_size", hidden_size},
+            {"intermediate_size", intermediate_size},
+            {"num_heads", num_heads},
+            {"in_channels", in_channels},
+            {"patch_size", patch_size},
+            {"temporal_patch_size", temporal_patch_size},
+            {"spatial_merge_size", spatial_merge_size},
+            {"out_hidden_size", out_hidden_size},
+            {"num_position_embeddings", num_position_embeddings},
+            {"deepstack_visual_indexes", deepstack_visual_indexes},
+            {"hidden_act", "gelu_pytorch_tanh"},
+            {"rope_parameters", {{"rope_type", "axial"}, {"rope_theta", rope_theta}}}};
   }
 
  private:

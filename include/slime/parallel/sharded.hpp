@@ -402,7 +402,7 @@ class Sharded {
     if (ranks == 1) return module_->aux_loss_and_grad(ctx, scale, s);
     const bool avg = options_.gradient_reduce == comm::ReduceOp::avg;
     const int dp_ranks = ranks / cp_;  // what avg divides the gradients by
-    if (avg) scale = scale.value_or(module_->config().router_aux_loss_coef) * double(dp_ranks);
+    if (avg) scale = scale.value_or(module_->language_config().router_aux_loss_coef) * double(dp_ranks);
     nn::AuxStatsReduce reduce = [this](const Tensor& stats, const Stream& on) {
       Tensor t = stats;
       if (shard_comm_) shard_comm_->all_reduce(t, comm::ReduceOp::sum, on);
@@ -473,7 +473,7 @@ class Sharded {
     const Stream s = compute_stream(stream);
     bool aux = with_aux_loss.value_or(false);
     if constexpr (requires(Module & m) { m.config().output_router_logits; })
-      aux = with_aux_loss.value_or(module_->config().output_router_logits);
+      aux = with_aux_loss.value_or(module_->language_config().output_router_logits);
     return nn::causal_lm_loss_and_backward(*this, batch, targets, loss_weights, temperature, normalizer, s, aux);
   }
 
