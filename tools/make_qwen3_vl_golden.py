@@ -1,9 +1,15 @@
 #!/usr/bin/env python3
-"""tools/make_qwen3_vl_golden.py: the golden fixture of slime's Qwen3-VL path.
+"""tools/make_qwen3_vl_golden.py: the golden fixtures of slime's Qwen3-VL path.
 
 Builds a tiny random transformers Qwen3VLForConditionalGeneration (float32,
 eager attention, fixed seed) and writes into tests/nn/data/qwen3_vl_tiny/
-(or --out):
+(or --out); with --moe a Qwen3VLMoeForConditionalGeneration (4 experts,
+top-2, layer 1 dense through mlp_only_layers) into
+tests/nn/data/qwen3_vl_moe_tiny/, whose model.safetensors stores the experts
+fused as transformers 5 writes them (gate_up_proj [E, 2I, hidden], down_proj
+[E, hidden, I]; the hub's checkpoints hold their transposes, which
+transformers and slime read too), and whose golden expert gradients are per expert
+(grad.<layer>.mlp.experts.<e>.{gate,up,down}_proj.weight, [out, in]):
 
   config.json, model.safetensors   the Hugging Face directory (save_pretrained)
   golden.safetensors               what slime's Qwen3-VL tests compare:
@@ -43,7 +49,8 @@ import shutil
 
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import (Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
+                          Qwen3VLMoeForConditionalGeneration)
 
 SEED = 20261202
 MAX_FIXTURE_BYTES = 3 * 1024 * 1024
@@ -59,7 +66,7 @@ TEXT = [  # text runs around the images: len(images) + 1 runs per sample
 ]
 
 
-def make_config():
+def make_config(moe=False):
     text = dict(
         vocab_size=128,
         hidden_size=64,
@@ -75,10 +82,16 @@ def make_config():
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1,
+                    mlp_only_layers=[1], router_aux_loss_coef=0.001, output_router_logits=False)
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 10, 10], "mrope_interleaved": True}
     from transformers import Qwen3VLTextConfig
 
-    if "rope_parameters" in inspect.signature(Qwen3VLTextConfig.__init__).parameters:
+    text_class = Qwen3VLTextConfig
+    if moe:
+        from transformers import Qwen3VLMoeTextConfig as text_class
+    if "rope_parameters" in inspect.signature(text_class.__init__).parameters:
         text["rope_parameters"] = rope
     else:
         text["rope_theta"] = rope["rope_theta"]
@@ -98,7 +111,7 @@ def make_config():
         hidden_act="gelu_pytorch_tanh",
         initializer_range=0.2,
     )
-    config = Qwen3VLConfig(
+    config = (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=text,
         vision_config=vision,
         image_token_id=IMAGE_TOKEN,
@@ -126,12 +139,18 @@ def vision_outputs(out):
 def main():
     root = pathlib.Path(__file__).resolve().parent.parent
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=root / "tests/nn/data/qwen3_vl_tiny")
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--moe", action="store_true", help="Qwen3-VL-MoE (default: dense Qwen3-VL)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = root / ("tests/nn/data/qwen3_vl_moe_tiny" if args.moe else "tests/nn/data/qwen3_vl_tiny")
 
     torch.manual_seed(SEED)
-    config = make_config()
-    model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    config = make_config(args.moe)
+    model_class = Qwen3VLMoeForConditionalGeneration if args.moe else Qwen3VLForConditionalGeneration
+    model = model_class(config).to(torch.float32)
+    lm_head, embed = model.lm_head.weight, model.model.language_model.embed_tokens.weight
+    assert lm_head.data_ptr() != embed.data_ptr(), "the fixture's LM head must be untied"
     model.eval()
     with torch.no_grad():
         # Norm weights start at 1 and biases at 0: perturb them so that their
@@ -210,7 +229,19 @@ def main():
     golden["loss"] = torch.tensor([loss_total], dtype=torch.float32)
     for name, p in model.named_parameters():
         assert p.grad is not None, f"no gradient for {name}"
-        golden["grad." + name] = p.grad.detach().float().contiguous()
+        grad = p.grad.detach().float()
+        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, hidden] in transformers' module
+            base = name[: -len("gate_up_proj")]
+            inter = grad.shape[1] // 2
+            for e in range(grad.shape[0]):
+                golden[f"grad.{base}{e}.gate_proj.weight"] = grad[e, :inter].contiguous()
+                golden[f"grad.{base}{e}.up_proj.weight"] = grad[e, inter:].contiguous()
+        elif name.endswith("mlp.experts.down_proj"):  # [E, hidden, I]
+            base = name[: -len("down_proj")]
+            for e in range(grad.shape[0]):
+                golden[f"grad.{base}{e}.down_proj.weight"] = grad[e].contiguous()
+        else:
+            golden["grad." + name] = grad.contiguous()
 
     if args.out.exists():
         shutil.rmtree(args.out)

@@ -73,7 +73,7 @@ nn::AttentionConfig small_attention() {
   c.num_heads = 4;
   c.num_kv_heads = 2;
   c.head_dim = 8;
-  c.rope_theta = 100.0;  // fast rotations: positions matter at these lengths
+  c.rope = ops::RopeSpec::text(100.0);  // fast rotations: positions matter at these lengths
   c.rms_norm_eps = 1e-6;
   return c;
 }

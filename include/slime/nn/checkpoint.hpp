@@ -66,17 +66,20 @@ inline std::string dims_str(const std::vector<int64_t>& dims) {
 // How a checkpoint stores a MoE layer's experts.
 //   per_expert: one tensor per expert and projection (Qwen3-MoE on the hub):
 //     <layer>.mlp.experts.<e>.{gate,up,down}_proj.weight  [out, in]
-//   fused: two stacks per layer (Qwen3-VL-MoE on the hub, what transformers
-//     writes for it):
-//     <layer>.mlp.experts.gate_up_proj  [E, hidden, 2·I]  (gate = [..., :I], up = [..., I:])
-//     <layer>.mlp.experts.down_proj     [E, I, hidden]
-//     i.e. the transposes of the Linear weights [I, hidden] / [hidden, I].
+//   fused: two stacks per layer (Qwen3-VL-MoE), in either of two layouts:
+//     transformers 5 (what it writes, and what save_hf_vl writes):
+//       <layer>.mlp.experts.gate_up_proj  [E, 2·I, hidden]  (gate = rows [0, I), up = rows [I, 2I))
+//       <layer>.mlp.experts.down_proj     [E, hidden, I]
+//     the hub's released checkpoints: the transposes of dims 1 and 2.
+//   A file whose shape is transformers 5's is read as that, any other shape
+//   that is its transpose as the hub's (transformers' own rule, so a square
+//   stack means the same in both).
 enum class ExpertLayout : uint8_t { per_expert, fused };
 
 namespace detail {
 
 // Where a stacked expert parameter lives in a fused checkpoint: the fused
-// tensor's name, which half of gate_up_proj (0 gate, 1 up; -1 down_proj).
+// tensor's name, and which half of gate_up_proj (0 gate, 1 up; -1 down_proj).
 struct FusedExpertSlot {
   std::string name;
   int half = -1;
@@ -92,25 +95,27 @@ inline FusedExpertSlot fused_expert_slot(const Parameter& p) {
   return {base + "down_proj", -1};
 }
 
-// The fused tensor's shape for stack p ([E_local, out, in]) of E experts.
-inline std::vector<int64_t> fused_expert_dims(const Parameter& p, int64_t experts) {
-  const int64_t out = p.value.size(1), in = p.value.size(2);
-  return fused_expert_slot(p).half >= 0 ? std::vector<int64_t>{experts, in, 2 * out}
-                                        : std::vector<int64_t>{experts, in, out};
+// transformers 5's shape of the fused tensor holding stack p ([E_local, out,
+// in]) for E experts, and the hub's (its transpose).
+inline std::vector<int64_t> fused_expert_dims(const Parameter& p, int64_t experts, bool hub = false) {
+  const int64_t out = p.value.size(1) * (fused_expert_slot(p).half >= 0 ? 2 : 1), in = p.value.size(2);
+  return hub ? std::vector<int64_t>{experts, in, out} : std::vector<int64_t>{experts, out, in};
 }
 
 // Reads stack p's experts [first_expert, first_expert + E_local) from the
-// fused tensor `fused` (f32 on the host, fused_expert_dims) into p.value.
-inline void read_fused_experts(const Tensor& fused, Parameter& p) {
+// fused tensor `fused` (f32 on the host, either layout) into p.value.
+inline void read_fused_experts(const Tensor& fused, Parameter& p, int64_t experts) {
   const FusedExpertSlot slot = fused_expert_slot(p);
+  const bool hub = std::vector<int64_t>(fused.shape().begin(), fused.shape().end()) != fused_expert_dims(p, experts);
   const int64_t n = p.value.size(0), out = p.value.size(1), in = p.value.size(2);
-  const int64_t width = fused.size(2), offset = slot.half > 0 ? out : 0;
+  const int64_t rows = fused.size(1), cols = fused.size(2), offset = slot.half > 0 ? out : 0;
   const std::vector<float> src = fused.to_vector<float>();
   std::vector<float> dst(std::size_t(n * out * in));
   for (int64_t i = 0; i < n; ++i) {
-    const float* e = src.data() + (p.first_expert + i) * in * width;
+    const float* e = src.data() + (p.first_expert + i) * rows * cols;
     for (int64_t o = 0; o < out; ++o)
-      for (int64_t k = 0; k < in; ++k) dst[std::size_t((i * out + o) * in + k)] = e[k * width + offset + o];
+      for (int64_t k = 0; k < in; ++k)
+        dst[std::size_t((i * out + o) * in + k)] = hub ? e[k * cols + offset + o] : e[(offset + o) * cols + k];
   }
   Tensor host = Tensor::from_vector(dst, p.value.shape());
   if (p.value.dtype() != DType::f32) {
@@ -121,34 +126,19 @@ inline void read_fused_experts(const Tensor& fused, Parameter& p) {
   p.value.copy_from(host);
 }
 
-// The fused tensors of a layer's experts from its three stacks (every
-// expert held): gate_up_proj [E, in, 2·out] and down_proj [E, in, out], in
-// the stacks' dtype, on the host.
+// A layer's fused tensors in transformers 5's layout from its three stacks
+// (every expert held): gate_up_proj [E, 2·I, hidden] and down_proj [E,
+// hidden, I], in the stacks' dtype, on the host.
 inline std::vector<std::pair<std::string, Tensor>> fuse_experts(Parameter& gate, Parameter& up, Parameter& down) {
-  const auto transpose_into = [](const Tensor& stack, std::vector<float>& dst, int64_t width, int64_t offset) {
-    const int64_t n = stack.size(0), out = stack.size(1), in = stack.size(2);
-    Tensor f = Tensor::empty(stack.shape(), DType::f32);
-    ops::cast(stack.to(Device::cpu()), f);
-    const std::vector<float> src = f.to_vector<float>();
-    for (int64_t e = 0; e < n; ++e)
-      for (int64_t o = 0; o < out; ++o)
-        for (int64_t k = 0; k < in; ++k)
-          dst[std::size_t((e * in + k) * width + offset + o)] = src[std::size_t((e * out + o) * in + k)];
-  };
   const int64_t E = gate.value.size(0), I = gate.value.size(1), H = gate.value.size(2);
-  std::vector<float> gu(std::size_t(E * H * 2 * I)), dn(std::size_t(E * I * H));
-  transpose_into(gate.value, gu, 2 * I, 0);
-  transpose_into(up.value, gu, 2 * I, I);
-  transpose_into(down.value, dn, H, 0);
-  const auto as = [&](const std::vector<float>& v, Shape shape) {
-    Tensor t = Tensor::from_vector(v, shape);
-    if (gate.value.dtype() == DType::f32) return t;
-    Tensor c = Tensor::empty(shape, gate.value.dtype());
-    ops::cast(t, c);
-    return c;
-  };
-  return {{fused_expert_slot(gate).name, as(gu, Shape{E, H, 2 * I})},
-          {fused_expert_slot(down).name, as(dn, Shape{E, I, H})}};
+  const DType dtype = gate.value.dtype();
+  Tensor gate_up = Tensor::empty({E, 2 * I, H}, dtype);
+  const Tensor g = gate.value.to(Device::cpu()), u = up.value.to(Device::cpu());
+  for (int64_t e = 0; e < E; ++e) {
+    gate_up.slice_rows(e, 1).reshape({2 * I, H}).slice_rows(0, I).copy_from(g.slice_rows(e, 1).reshape({I, H}));
+    gate_up.slice_rows(e, 1).reshape({2 * I, H}).slice_rows(I, I).copy_from(u.slice_rows(e, 1).reshape({I, H}));
+  }
+  return {{fused_expert_slot(gate).name, gate_up}, {fused_expert_slot(down).name, down.value.to(Device::cpu())}};
 }
 
 }  // namespace detail
@@ -190,7 +180,13 @@ inline void load_hf_weights(Qwen3Model& model, const io::SafetensorsDir& files, 
                 where, ": stacked expert parameter '", p.name, "' ", p.value.str(), " with first_expert ",
                 p.first_expert, " does not fit num_experts = ", config.num_experts);
     if (layout == ExpertLayout::fused) {
-      check(detail::fused_expert_slot(p).name, detail::fused_expert_dims(p, config.num_experts));
+      const std::string name = detail::fused_expert_slot(p).name;
+      const std::vector<int64_t> hub = detail::fused_expert_dims(p, config.num_experts, true);
+      if (files.contains(name) && files.info(name).dims == hub) {
+        expected.insert(name);  // the hub's layout
+        return;
+      }
+      check(name, detail::fused_expert_dims(p, config.num_experts));
       return;
     }
     for (int64_t e = 0; e < config.num_experts; ++e)
@@ -219,7 +215,7 @@ inline void load_hf_weights(Qwen3Model& model, const io::SafetensorsDir& files, 
     }
     if (layout == ExpertLayout::fused) {
       const std::string name = detail::fused_expert_slot(p).name;
-      detail::read_fused_experts(files.file_of(name).read(name, DType::f32), p);
+      detail::read_fused_experts(files.file_of(name).read(name, DType::f32), p, config.num_experts);
       return;
     }
     for (int64_t i = 0; i < p.value.size(0); ++i) {

@@ -34,6 +34,11 @@
 //     output_router_logits     false                     false
 //   (Qwen3Config's head_dim default is 128, not hidden/heads; Qwen3MoeConfig
 //   has no head_dim field and its attention falls back to hidden/heads.)
+//   qwen3_vl_text takes qwen3's defaults, qwen3_vl_moe_text qwen3_moe's,
+//   except: max_position_embeddings 128000 (both), and for
+//   qwen3_vl_moe_text num_key_value_heads 16, num_experts 60,
+//   num_experts_per_tok 4, moe_intermediate_size 1408, and norm_topk_prob
+//   true (its router always renormalises; false is an error).
 //   The MoE fields are read only for qwen3_moe; a dense config with
 //   num_experts > 0 is an error. output_router_logits decides, as in
 //   Qwen3MoeForCausalLM, whether the training loss includes
@@ -242,7 +247,8 @@ struct Qwen3Config {
     } else {
       // null means "same as attention heads" (Qwen3Config); absent takes the class default.
       const bool explicit_null = j.contains("num_key_value_heads");
-      c.num_key_value_heads = explicit_null ? c.num_attention_heads : (moe ? 4 : 32);
+      const int fallback = c.model_type == "qwen3_moe" ? 4 : c.model_type == "qwen3_vl_moe_text" ? 16 : 32;
+      c.num_key_value_heads = explicit_null ? c.num_attention_heads : fallback;
       r.take("num_key_value_heads");
     }
     if (r.present("head_dim")) {
@@ -258,7 +264,7 @@ struct Qwen3Config {
         c.head_dim = 128;
       }
     }
-    c.max_position_embeddings = r.int_or("max_position_embeddings", 32768);
+    c.max_position_embeddings = r.int_or("max_position_embeddings", c.is_vl_text() ? 128000 : 32768);
     c.rms_norm_eps = r.number_or("rms_norm_eps", 1e-6);
     c.tie_word_embeddings = r.bool_or("tie_word_embeddings", false);
     c.attention_bias = r.bool_or("attention_bias", false);
@@ -335,11 +341,15 @@ struct Qwen3Config {
       r.take("num_experts");
       r.take("num_local_experts");
       if (a && b && *a != *b) c.fail("num_experts = ", *a, " and num_local_experts = ", *b, " disagree");
-      // Qwen3VLMoeTextConfig's defaults are Qwen3MoeConfig's.
-      c.num_experts = a ? *a : b ? *b : 128;
-      c.num_experts_per_tok = r.int32_or("num_experts_per_tok", 8);
-      c.moe_intermediate_size = r.int_or("moe_intermediate_size", 768);
-      c.norm_topk_prob = r.bool_or("norm_topk_prob", false);
+      const bool vl = c.is_vl_text();  // Qwen3VLMoeTextConfig's defaults differ from Qwen3MoeConfig's
+      c.num_experts = a ? *a : b ? *b : (vl ? 60 : 128);
+      c.num_experts_per_tok = r.int32_or("num_experts_per_tok", vl ? 4 : 8);
+      c.moe_intermediate_size = r.int_or("moe_intermediate_size", vl ? 1408 : 768);
+      // Qwen3-VL-MoE's router always renormalises its top-k probabilities
+      // (Qwen3VLMoeTextTopKRouter; its config has no such field).
+      c.norm_topk_prob = r.bool_or("norm_topk_prob", vl);
+      if (vl && !c.norm_topk_prob)
+        c.fail("norm_topk_prob = false, but Qwen3-VL-MoE always renormalises the top-k routing weights");
       c.decoder_sparse_step = r.int32_or("decoder_sparse_step", 1);
       c.router_aux_loss_coef = r.number_or("router_aux_loss_coef", 0.001);
       c.output_router_logits = r.bool_or("output_router_logits", false);
