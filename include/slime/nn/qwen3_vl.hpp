@@ -17,7 +17,8 @@
 // frozen (set_vision_trainable(false): no tower backward, so its parameters
 // get no gradient).
 //
-// Units: the tower's (patch_embed, blocks, merger) first, then the language
+// Units: the tower's (patch_embed, blocks, merger; not trainable when the
+// tower is frozen) first, then the language
 // model's; a batch without images runs no tower, but its units' hooks are
 // still called in order, so a wrapper sees every unit every step.
 #pragma once
@@ -273,7 +274,9 @@ class Qwen3VLModel {
   Qwen3Model& language() { return language_; }
 
   // Whether backward runs the tower (default true). Frozen: the tower's
-  // parameters get no gradient (a wrapper's optimizer must skip them too).
+  // parameters get no gradient and its units are not trainable
+  // (nn::Unit::trainable); parallel::Sharded with an optimizer refuses such
+  // units (its optimizer steps every unit).
   void set_vision_trainable(bool trainable) { vision_trainable_ = trainable; }
   bool vision_trainable() const { return vision_trainable_; }
 
@@ -299,6 +302,7 @@ class Qwen3VLModel {
   // The tower's units, then the language model's (see the file comment).
   std::vector<Unit> units() {
     std::vector<Unit> u = visual_.units();
+    for (Unit& v : u) v.trainable = vision_trainable_;
     for (Unit& l : language_.units()) u.push_back(std::move(l));
     return u;
   }

@@ -37,6 +37,9 @@ struct Unit {
   UnitKind kind = UnitKind::dense;
   int expert_degree = 1;     // expert units: ranks the stack is split over
   bool has_lm_head = false;  // holds the LM head (logits and token logprobs use it)
+  // false: the model's backward leaves these parameters alone (a frozen
+  // vision tower); a wrapper's optimizer must not step them either.
+  bool trainable = true;
 };
 
 template <class H>

@@ -459,15 +459,21 @@ class Sharded {
   // As Qwen3Model::loss_and_backward (nn/causal_lm.hpp): L = -Σ_t w_t
   // logprob_t / normalizer (+ the aux loss when with_aux_loss, default: the
   // model config's output_router_logits), one backward pass.
-  nn::LossResult loss_and_backward(const nn::PackedBatch& batch, const Tensor& targets, float temperature = 1.f,
+  // Batch: the module's (nn::PackedBatch; nn::VLBatch for a Qwen3VLModel).
+  template <class Batch = nn::PackedBatch>
+  nn::LossResult loss_and_backward(const Batch& batch, const Tensor& targets, float temperature = 1.f,
                                    std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
-                                   std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module> {
+                                   std::optional<bool> with_aux_loss = std::nullopt)
+    requires nn::CausalLM<Module, Batch>
+  {
     return loss_and_backward(batch, targets, Tensor{}, temperature, normalizer, stream, with_aux_loss);
   }
-  nn::LossResult loss_and_backward(const nn::PackedBatch& batch, const Tensor& targets, const Tensor& loss_weights,
+  template <class Batch = nn::PackedBatch>
+  nn::LossResult loss_and_backward(const Batch& batch, const Tensor& targets, const Tensor& loss_weights,
                                    float temperature = 1.f, std::optional<double> normalizer = std::nullopt,
-                                   const Stream& stream = {},
-                                   std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module> {
+                                   const Stream& stream = {}, std::optional<bool> with_aux_loss = std::nullopt)
+    requires nn::CausalLM<Module, Batch>
+  {
     check_trains("loss_and_backward");
     check_onloaded("loss_and_backward");
     const Stream s = compute_stream(stream);
@@ -773,6 +779,12 @@ class Sharded {
     grads_zeroed_.wait(comm_stream_);
     units_.reserve(units.size());
     for (nn::Unit& su : units) {
+      // The optimizer steps every unit: a frozen part of a trained model
+      // would still move (weight decay), so it is refused rather than
+      // silently trained.
+      SLIME_CHECK(su.trainable || !trains, "Sharded: unit '", su.name,
+                  "' is not trainable (a frozen part of the model, e.g. a Qwen3-VL tower after "
+                  "set_vision_trainable(false)); Sharded with an optimizer trains every unit");
       FlatParamGroup u;
       u.name = su.name;
       u.params = su.params;
