@@ -54,7 +54,7 @@ constexpr int kUnroll = 4;                                // rows (taps) in flig
 // blocks on 132 SMs), each thread striding over the rest of the rows.
 constexpr int64_t kBiasAddBlocks = 2048;
 constexpr int kReduceCols = 32, kReduceSlices = 16;  // bias_backward's pass 2
-constexpr int kBackwardThreads = 128;                 // pos_embed backward: vectors of a table row per block
+constexpr int kBackwardThreads = 128;                // pos_embed backward: vectors of a table row per block
 constexpr int64_t kMaxGridY = 65535;
 
 // All bits set: NaN in every float type (as Tensor::fill_bytes_(0xff)).
@@ -178,8 +178,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   const int64_t v = int64_t(blockIdx.x) * kThreadsX + threadIdx.x;
   if (v >= vectors_per_row) return;
   const int64_t dim = vectors_per_row * kVec;
-  for (int64_t p = int64_t(blockIdx.y) * kThreadsY + threadIdx.y; p < patches;
-       p += int64_t(gridDim.y) * kThreadsY) {
+  for (int64_t p = int64_t(blockIdx.y) * kThreadsY + threadIdx.y; p < patches; p += int64_t(gridDim.y) * kThreadsY) {
     int32_t id[4];
     float w[4];
     bool bad = false;
@@ -296,8 +295,8 @@ void bias_add(const BiasAddArgs& a, StreamHandle stream) {
       constexpr int kVec = decltype(vec_tag)::value;
       const int64_t vpr = a.n / kVec;
       const int64_t gx = (vpr + kThreadsX - 1) / kThreadsX;
-      const int64_t gy = std::clamp<int64_t>(std::min((a.rows + kThreadsY - 1) / kThreadsY, kBiasAddBlocks / gx), 1,
-                                             kMaxGridY);
+      const int64_t gy =
+          std::clamp<int64_t>(std::min((a.rows + kThreadsY - 1) / kThreadsY, kBiasAddBlocks / gx), 1, kMaxGridY);
       bias_add_kernel<T, kVec><<<dim3(unsigned(gx), unsigned(gy)), dim3(kThreadsX, kThreadsY), 0, stream>>>(
           static_cast<T*>(a.y), static_cast<const T*>(a.b), a.rows, vpr);
       SLIME_CUDA_CHECK_LAUNCH();
@@ -324,8 +323,9 @@ void bias_backward(const BiasBackwardArgs& a, StreamHandle stream) {
       constexpr int kVec = decltype(vec_tag)::value;
       const int64_t vpr = a.n / kVec;
       const int64_t gx = (vpr + kThreadsX - 1) / kThreadsX;
-      bias_grad_partial_kernel<T, kVec><<<dim3(unsigned(gx), unsigned(chunks)), dim3(kThreadsX, kThreadsY), 0,
-                                          stream>>>(static_cast<const T*>(a.dy), a.rows, vpr, chunk_rows, partials);
+      bias_grad_partial_kernel<T, kVec>
+          <<<dim3(unsigned(gx), unsigned(chunks)), dim3(kThreadsX, kThreadsY), 0, stream>>>(
+              static_cast<const T*>(a.dy), a.rows, vpr, chunk_rows, partials);
       SLIME_CUDA_CHECK_LAUNCH();
     });
   });

@@ -105,8 +105,7 @@ Tensor weights_tensor(const Taps& t, int64_t patches) {
 }
 
 // out[p, d] = sum_k w[k, p] * table[ids[k, p], d], written out in double.
-std::vector<double> interpolate_double(const std::vector<double>& table, const Taps& t, int64_t patches,
-                                       int64_t dim) {
+std::vector<double> interpolate_double(const std::vector<double>& table, const Taps& t, int64_t patches, int64_t dim) {
   std::vector<double> out(std::size_t(patches * dim), 0.0);
   for (int64_t p = 0; p < patches; ++p)
     for (int64_t k = 0; k < 4; ++k) {
@@ -347,8 +346,7 @@ TEST_CASE("pos_embed_interpolate_backward accumulates f32 (bf16 d_out) and touch
     const Tensor d_out = filled({P, D}, dt, 501);
     Tensor d_table = filled({S, D}, DType::f32, 502);
     const std::vector<double> base = to_double(d_table);
-    ops::pos_embed_interpolate_backward(d_out, ids_tensor(t, P), weights_tensor(t, P), ops::PosEmbedRowTaps{},
-                                        d_table);
+    ops::pos_embed_interpolate_backward(d_out, ids_tensor(t, P), weights_tensor(t, P), ops::PosEmbedRowTaps{}, d_table);
     const std::vector<double> dod = to_double(d_out), got = to_double(d_table);
     std::vector<double> want = base;
     for (int64_t i = 0; i < 4 * P; ++i)
@@ -434,9 +432,8 @@ TEST_CASE("pos_embed_interpolate: bad ids and bad inputs are clear errors", "[op
   CHECK_THROWS_WITH(ops::pos_embed_interpolate_forward(Tensor::zeros({S, D}, DType::f16), gi, w, out, false),
                     ContainsSubstring("table must be f32 or bf16"));
   Tensor shared = Tensor::zeros({2 * S * D}, DType::bf16);
-  CHECK_THROWS_WITH(
-      ops::pos_embed_interpolate_forward(shared.view(0, {S, D}), gi, w, shared.view(D, {P, D}), false),
-      ContainsSubstring("out overlaps an input"));
+  CHECK_THROWS_WITH(ops::pos_embed_interpolate_forward(shared.view(0, {S, D}), gi, w, shared.view(D, {P, D}), false),
+                    ContainsSubstring("out overlaps an input"));
 
   CHECK_THROWS_WITH(
       ops::pos_embed_interpolate_backward(out, gi, w, ops::PosEmbedRowTaps{}, Tensor::zeros({S, D}, DType::bf16)),
@@ -449,5 +446,6 @@ TEST_CASE("pos_embed_interpolate: bad ids and bad inputs are clear errors", "[op
                     ContainsSubstring("d_out must be [patches = 6, dim]"));
   CHECK_THROWS_WITH(ops::pos_embed_row_taps(Tensor::zeros({2, P}, DType::i32), S),
                     ContainsSubstring("ids must be [4, patches]"));
-  CHECK_THROWS_WITH(ops::pos_embed_row_taps(Tensor::zeros({4, P}, DType::i64), S), ContainsSubstring("ids must be i32"));
+  CHECK_THROWS_WITH(ops::pos_embed_row_taps(Tensor::zeros({4, P}, DType::i64), S),
+                    ContainsSubstring("ids must be i32"));
 }

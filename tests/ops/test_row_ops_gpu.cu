@@ -122,7 +122,7 @@ Taps bilinear_taps(int64_t h, int64_t w, int64_t side) {
   const int64_t P = h * w;
   std::vector<int32_t> ids(std::size_t(4 * P));
   std::vector<float> wt(std::size_t(4 * P));
-  const auto axis = [&](int64_t i, int64_t n, int32_t (&tap)[2], float (&f)[2]) {
+  const auto axis = [&](int64_t i, int64_t n, int32_t(&tap)[2], float(&f)[2]) {
     const float src = float(i) * float(side - 1) / float(std::max<int64_t>(n - 1, 1));
     const float fl = std::floor(src);
     for (int o = 0; o < 2; ++o) {
@@ -164,8 +164,8 @@ TEST_CASE("bias_add_ on the GPU equals the CPU bit for bit (f32, bf16, odd sizes
   REQUIRE_GPU();
   uint64_t seed = 100;
   for (DType dt : {DType::bf16, DType::f32}) {
-    for (int64_t n : {int64_t(1), int64_t(7), int64_t(13), int64_t(1001), int64_t(1024), int64_t(1152),
-                      int64_t(4096), int64_t(4100)}) {
+    for (int64_t n : {int64_t(1), int64_t(7), int64_t(13), int64_t(1001), int64_t(1024), int64_t(1152), int64_t(4096),
+                      int64_t(4100)}) {
       for (int64_t rows : {int64_t(1), int64_t(17), int64_t(577)}) {
         for (bool aligned : {true, false}) {
           INFO(dt << " rows " << rows << " n " << n << " aligned " << aligned);
@@ -373,9 +373,9 @@ TEST_CASE("pos_embed_interpolate on the GPU rejects mixed devices and a row_taps
                     ContainsSubstring("row_taps.offsets is undefined"));
   CHECK_THROWS_WITH(ops::pos_embed_interpolate_backward(out, ids, w, ops::pos_embed_row_taps(taps.ids, S), g),
                     ContainsSubstring("d_out and row_taps.offsets are on different devices"));
-  CHECK_THROWS_WITH(ops::pos_embed_interpolate_backward(out, ids, w, ops::pos_embed_row_taps(taps.ids, S + 1, gpu()),
-                                                        g),
-                    ContainsSubstring("row_taps.offsets (table rows + 1"));
+  CHECK_THROWS_WITH(
+      ops::pos_embed_interpolate_backward(out, ids, w, ops::pos_embed_row_taps(taps.ids, S + 1, gpu()), g),
+      ContainsSubstring("row_taps.offsets (table rows + 1"));
   CHECK_THROWS_WITH(ops::pos_embed_interpolate_backward(out, ids, w, rt, g.to(Device::cpu())),
                     ContainsSubstring("d_out and d_table are on different devices"));
   CHECK_THROWS_WITH(ops::pos_embed_row_taps(ids, S, gpu()), ContainsSubstring("ids must be on the CPU"));

@@ -199,10 +199,9 @@ inline void pos_embed_interpolate_forward(const Tensor& table, const Tensor& ids
   }
   m::visit_f32_bf16(table.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    cpu::pos_embed_interpolate_forward(static_cast<const T*>(table.data_ptr()), rows, dim,
-                                       static_cast<const int32_t*>(ids.data_ptr()),
-                                       static_cast<const float*>(weights.data_ptr()), patches,
-                                       static_cast<T*>(out.data_ptr()), accumulate);
+    cpu::pos_embed_interpolate_forward(
+        static_cast<const T*>(table.data_ptr()), rows, dim, static_cast<const int32_t*>(ids.data_ptr()),
+        static_cast<const float*>(weights.data_ptr()), patches, static_cast<T*>(out.data_ptr()), accumulate);
   });
 }
 
@@ -221,8 +220,8 @@ inline PosEmbedRowTaps pos_embed_row_taps(const Tensor& ids, int64_t table_rows,
   check_dtype(ids, DType::i32, "pos_embed_row_taps: ids");
   SLIME_CHECK(ids.device().is_cpu(), "pos_embed_row_taps: ids must be on the CPU (the host builds the grouping), got ",
               ids.str());
-  SLIME_CHECK(ids.dim() == 2 && ids.size(0) == cpu::kPosEmbedTaps,
-              "pos_embed_row_taps: ids must be [4, patches], got ", ids.str());
+  SLIME_CHECK(ids.dim() == 2 && ids.size(0) == cpu::kPosEmbedTaps, "pos_embed_row_taps: ids must be [4, patches], got ",
+              ids.str());
   const cpu::PosEmbedCsr csr = cpu::pos_embed_csr(
       std::span<const int32_t>(ids.data<int32_t>(), static_cast<std::size_t>(ids.numel())), table_rows);
   PosEmbedRowTaps r;
@@ -243,8 +242,8 @@ inline void pos_embed_interpolate_backward(const Tensor& d_out, const Tensor& id
   constexpr std::string_view op = "pos_embed_interpolate_backward";
   m::check_f32_or_bf16(d_out, "pos_embed_interpolate_backward: d_out");
   const int64_t patches = m::check_pos_embed_taps(ids, weights, op);
-  SLIME_CHECK(d_out.dim() == 2 && d_out.size(0) == patches, op, ": d_out must be [patches = ", patches,
-              ", dim], got ", d_out.str());
+  SLIME_CHECK(d_out.dim() == 2 && d_out.size(0) == patches, op, ": d_out must be [patches = ", patches, ", dim], got ",
+              d_out.str());
   check_dtype(d_table, DType::f32, "pos_embed_interpolate_backward: d_table");
   SLIME_CHECK(d_table.dim() == 2 && d_table.size(1) == d_out.size(1), op, ": d_table must be [rows, ", d_out.size(1),
               "] (d_out's dim), got ", d_table.str());
@@ -287,10 +286,9 @@ inline void pos_embed_interpolate_backward(const Tensor& d_out, const Tensor& id
   }
   m::visit_f32_bf16(d_out.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    cpu::pos_embed_interpolate_backward(static_cast<const T*>(d_out.data_ptr()),
-                                        static_cast<const int32_t*>(ids.data_ptr()),
-                                        static_cast<const float*>(weights.data_ptr()), patches, rows, dim,
-                                        static_cast<float*>(d_table.data_ptr()));
+    cpu::pos_embed_interpolate_backward(
+        static_cast<const T*>(d_out.data_ptr()), static_cast<const int32_t*>(ids.data_ptr()),
+        static_cast<const float*>(weights.data_ptr()), patches, rows, dim, static_cast<float*>(d_table.data_ptr()));
   });
 }
 

@@ -45,7 +45,8 @@ void bias_backward(const T* dy, int64_t rows, int64_t n, memops::acc_t<T>* db, b
   std::vector<A> sum(static_cast<std::size_t>(n), A(0));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < n; ++c) sum[static_cast<std::size_t>(c)] += memops::to_acc<A>(dy[r * n + c]);
-  for (int64_t c = 0; c < n; ++c) db[c] = accumulate ? db[c] + sum[static_cast<std::size_t>(c)] : sum[static_cast<std::size_t>(c)];
+  for (int64_t c = 0; c < n; ++c)
+    db[c] = accumulate ? db[c] + sum[static_cast<std::size_t>(c)] : sum[static_cast<std::size_t>(c)];
 }
 
 // The first tap t of ids [4 * P] outside [0, table_rows), or -1.
@@ -124,7 +125,8 @@ inline PosEmbedCsr pos_embed_csr(std::span<const int32_t> ids, int64_t table_row
   for (std::size_t s = 0; s < static_cast<std::size_t>(table_rows); ++s) r.offsets[s + 1] += r.offsets[s];
   r.taps.resize(ids.size());
   std::vector<int32_t> next(r.offsets.begin(), r.offsets.end() - 1);
-  for (std::size_t t = 0; t < ids.size(); ++t) r.taps[static_cast<std::size_t>(next[std::size_t(ids[t])]++)] = int32_t(t);
+  for (std::size_t t = 0; t < ids.size(); ++t)
+    r.taps[static_cast<std::size_t>(next[std::size_t(ids[t])]++)] = int32_t(t);
   return r;
 }
 

@@ -31,7 +31,9 @@ struct BiasBackwardPolicy {
     const int64_t r = even > kMinChunkRows ? even : kMinChunkRows;
     return (r + kThreadsY - 1) / kThreadsY * kThreadsY;
   }
-  static constexpr int64_t chunks(int64_t rows) { return rows <= 0 ? 0 : (rows + chunk_rows(rows) - 1) / chunk_rows(rows); }
+  static constexpr int64_t chunks(int64_t rows) {
+    return rows <= 0 ? 0 : (rows + chunk_rows(rows) - 1) / chunk_rows(rows);
+  }
   // Bytes of workspace for dy [rows, n]: the partial sums, chunks x n fp32.
   static constexpr std::size_t workspace_bytes(int64_t rows, int64_t n) {
     return n <= 0 ? 0 : std::size_t(chunks(rows)) * std::size_t(n) * sizeof(float);
@@ -61,21 +63,21 @@ struct BiasBackwardArgs {
 };
 
 struct PosEmbedForwardArgs {
-  const void* table;      // [S, D]
-  const int32_t* ids;     // [4, P]
-  const float* weights;   // [4, P]
-  void* out;              // [P, D], table's dtype
+  const void* table;     // [S, D]
+  const int32_t* ids;    // [4, P]
+  const float* weights;  // [4, P]
+  void* out;             // [P, D], table's dtype
   int64_t table_rows, dim, patches;
   DType dtype;
   bool accumulate;  // out += the blend, or out = the blend
 };
 
 struct PosEmbedBackwardArgs {
-  const void* d_out;          // [P, D]
-  const float* weights;       // [4, P]
-  const int32_t* row_offsets; // [S + 1]
-  const int32_t* row_taps;    // [4P]: tap t = k * P + p, grouped by table row
-  float* d_table;             // [S, D], accumulated
+  const void* d_out;           // [P, D]
+  const float* weights;        // [4, P]
+  const int32_t* row_offsets;  // [S + 1]
+  const int32_t* row_taps;     // [4P]: tap t = k * P + p, grouped by table row
+  float* d_table;              // [S, D], accumulated
   int64_t table_rows, dim, patches;
   DType dtype;
 };
