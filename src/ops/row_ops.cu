@@ -13,9 +13,9 @@
 // per BiasBackwardPolicy: each row lane sums its rows of the chunk (increasing
 // rows, stride kThreadsY) in fp32 registers; the lanes are added in lane order
 // in shared memory into the chunk's partial row [chunks, n] of the workspace.
-// Pass 2 adds the partial rows of each column in a fixed order (kReduceSlices
-// slices p = slice mod kReduceSlices, each in increasing p, then the slices in
-// order) into db. Traffic: read dy (rows x n x sizeof(T)); the partials,
+// Pass 2 adds the partial rows of each column in a fixed order into db
+// (row_norm.cuh's param_grad_reduce_kernel, shared with the norms' weight
+// gradients; db zeroed first unless accumulating). Traffic: read dy (rows x n x sizeof(T)); the partials,
 // chunks x n x 4 bytes, are written and read once (2 MiB at 16384 x 4096).
 // pos_embed_interpolate_forward: one patch per row lane; the 4 ids and weights
 // are the same for the 32 lanes of a row (one broadcast load each); the 4
@@ -39,6 +39,7 @@
 #include <type_traits>
 
 #include "memops.cuh"
+#include "row_norm.cuh"
 #include "slime/core/half.hpp"
 #include "slime/ops/cuda/row_ops.hpp"
 
@@ -53,19 +54,8 @@ constexpr int kUnroll = 4;                                // rows (taps) in flig
 // bias_add's grid: about this many blocks (two waves of 8 resident 256-thread
 // blocks on 132 SMs), each thread striding over the rest of the rows.
 constexpr int64_t kBiasAddBlocks = 2048;
-constexpr int kReduceCols = 32, kReduceSlices = 16;  // bias_backward's pass 2
-constexpr int kBackwardThreads = 128;                // pos_embed backward: vectors of a table row per block
+constexpr int kBackwardThreads = 128;  // pos_embed backward: vectors of a table row per block
 constexpr int64_t kMaxGridY = 65535;
-
-// All bits set: NaN in every float type (as Tensor::fill_bytes_(0xff)).
-template <class T>
-__device__ __forceinline__ T all_ones() {
-  if constexpr (std::is_same_v<T, float>) {
-    return __uint_as_float(0xffffffffu);
-  } else {
-    return BFloat16::from_bits(0xffffu);
-  }
-}
 
 // ---- bias_add ----
 
@@ -145,26 +135,6 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 #pragma unroll
     for (int lane = 0; lane < kThreadsY; ++lane) s += lanes[lane][c];
     partials[int64_t(blockIdx.y) * n + col0 + c] = s;
-  }
-}
-
-// db[col] = (accumulate ? db[col] : 0) + the sum of partials[:, col] in a
-// fixed order.
-__global__ void __launch_bounds__(kReduceCols* kReduceSlices)
-    bias_grad_reduce_kernel(const float* __restrict__ partials, int64_t chunks, int64_t n, float* __restrict__ db,
-                            bool accumulate) {
-  __shared__ float sums[kReduceSlices][kReduceCols + 1];
-  const int64_t col = int64_t(blockIdx.x) * kReduceCols + threadIdx.x;
-  float s = 0.f;
-  if (col < n)
-    for (int64_t p = threadIdx.y; p < chunks; p += kReduceSlices) s += partials[p * n + col];
-  sums[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < n) {
-    float total = 0.f;
-#pragma unroll
-    for (int k = 0; k < kReduceSlices; ++k) total += sums[k][threadIdx.x];
-    db[col] = accumulate ? db[col] + total : total;
   }
 }
 
@@ -329,9 +299,8 @@ void bias_backward(const BiasBackwardArgs& a, StreamHandle stream) {
       SLIME_CUDA_CHECK_LAUNCH();
     });
   });
-  bias_grad_reduce_kernel<<<unsigned((a.n + kReduceCols - 1) / kReduceCols), dim3(kReduceCols, kReduceSlices), 0,
-                            stream>>>(partials, chunks, a.n, a.db, a.accumulate);
-  SLIME_CUDA_CHECK_LAUNCH();
+  if (!a.accumulate) SLIME_CUDA_CHECK(cudaMemsetAsync(a.db, 0, std::size_t(a.n) * sizeof(float), stream));
+  ::slime::ops::detail::row_norm::reduce_param_grads<1>(partials, chunks, a.n, a.db, nullptr, stream);
 }
 
 void pos_embed_interpolate_forward(const PosEmbedForwardArgs& a, StreamHandle stream) {

@@ -20,9 +20,9 @@
 //
 // Determinism (GPU): every op here is the same bits run to run.
 //   bias_backward: a fixed two-pass reduction (per-chunk partial sums of the
-//     rows into a workspace, then the partials in chunk order; the chunking
-//     depends on the number of rows only, so also the same bits across GPU
-//     models). The call allocates nothing: the workspace is a tensor of
+//     rows into a workspace, then the partials in a fixed order; the chunking
+//     depends on the number of rows only, not on the GPU model or on the
+//     pointers' alignment, and neither do the bits). The call allocates nothing: the workspace is a tensor of
 //     bias_backward_workspace_bytes(rows, n) bytes (query, then run).
 //   pos_embed_interpolate_backward: one thread block per table row sums the
 //     row's taps in increasing tap order (no atomics); the grouping of the

@@ -17,8 +17,9 @@ namespace slime::ops::cuda {
 // kThreadsY threads, kThreadsX vectors of 16 bytes of columns by kThreadsY row
 // lanes, over chunks of rows. A chunk is at least kMinChunkRows rows and
 // there are at most kMaxChunks chunks, so the partial sums (one fp32 row per
-// chunk, the workspace) stay small, and the chunking depends on the rows only:
-// the result is the same bits on every GPU model, dtype alignment included.
+// chunk, the workspace) stay small. The chunking depends on the rows only, so
+// the order of every column's sum, and the result's bits, do not depend on the
+// GPU model or on whether the one-element or the vector kernel runs.
 struct BiasBackwardPolicy {
   static constexpr int kThreadsX = 32;
   static constexpr int kThreadsY = 8;
@@ -88,7 +89,7 @@ void bias_add(const BiasAddArgs& args, StreamHandle stream);
 // db (+)= column sums of dy, deterministic (see BiasBackwardPolicy): each
 // block sums its chunk's rows per column in increasing row order per row
 // lane, adds its kThreadsY lanes in lane order into the chunk's partial row of
-// the workspace; a second kernel adds the partial rows in chunk order. Throws
+// the workspace; a second kernel adds the partial rows in a fixed order. Throws
 // if the workspace is too small.
 void bias_backward(const BiasBackwardArgs& args, StreamHandle stream);
 
