@@ -175,8 +175,9 @@ Case bias_grad_case(const Stream& s, int64_t T, int64_t n) {
     std::vector<float> want(static_cast<std::size_t>(n));
     ops::cpu::bias_backward(dy.data(), T, n, want.data(), false);
     const std::vector<float> got = b->db.to_vector<float>(st);
-    return check_err(rel_err(std::vector<double>(got.begin(), got.end()), std::vector<double>(want.begin(), want.end())),
-                     1e-5, "db");
+    return check_err(
+        rel_err(std::vector<double>(got.begin(), got.end()), std::vector<double>(want.begin(), want.end())), 1e-5,
+        "db");
   };
   return c;
 }
@@ -232,8 +233,9 @@ Case pos_embed_case(const Stream& s, bool backward) {
     ops::cpu::pos_embed_interpolate_backward(d_out.data(), b->ids_host.data(), b->weights_host.data(), P, S, D,
                                              want.data());
     const std::vector<float> got = b->d_table.to_vector<float>(st);
-    return check_err(rel_err(std::vector<double>(got.begin(), got.end()), std::vector<double>(want.begin(), want.end())),
-                     1e-5, "d_table");
+    return check_err(
+        rel_err(std::vector<double>(got.begin(), got.end()), std::vector<double>(want.begin(), want.end())), 1e-5,
+        "d_table");
   };
   return c;
 }
