@@ -29,16 +29,6 @@ using namespace ::slime::ops::detail::memops;
 
 constexpr int kThreads = 128;
 
-// All bits set: NaN in every float type (as Tensor::fill_bytes_(0xff)).
-template <class T>
-__device__ __forceinline__ T all_ones() {
-  if constexpr (std::is_same_v<T, float>) {
-    return __uint_as_float(0xffffffffu);
-  } else {
-    return BFloat16::from_bits(0xffffu);
-  }
-}
-
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
 template <class I, class T, int N>

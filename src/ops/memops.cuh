@@ -1,7 +1,8 @@
 // src/ops/memops.cuh: private device helpers shared by the memory-bound op
-// kernels (elementwise, embedding, rms_norm, rope, swiglu): bf16 / f16 / f32
-// conversions, the 16-byte vector type with its loads and stores, alignment
-// tests and grid shapes. Not installed; include it only from src/ops/*.cu.
+// kernels (elementwise, embedding, rms_norm, rope, row_ops, swiglu): bf16 /
+// f16 / f32 conversions, the all-bits-set NaN, the 16-byte vector type with
+// its loads and stores, alignment tests and grid shapes. Not installed;
+// include it only from src/ops/*.cu.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,6 +41,16 @@ __device__ __forceinline__ T from_float(float v) {
   } else {
     static_assert(std::is_same_v<T, BFloat16>, "from_float: float or BFloat16");
     return BFloat16::from_bits(__bfloat16_as_ushort(__float2bfloat16_rn(v)));
+  }
+}
+
+// All bits set: NaN in every float type (as Tensor::fill_bytes_(0xff)).
+template <class T>
+__device__ __forceinline__ T all_ones() {
+  if constexpr (std::is_same_v<T, float>) {
+    return __uint_as_float(0xffffffffu);
+  } else {
+    return BFloat16::from_bits(0xffffu);
   }
 }
 

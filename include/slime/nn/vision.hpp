@@ -24,15 +24,13 @@
 // embeds and of each deepstack output (an undefined one counts as zero); the
 // pixels get a gradient only on request.
 //
-// The position-embedding resample is computed on the host per call: for
-// every patch the 4 taps (table row, weight) of the bilinear blend
-// (vision_pos_interpolation). ops::scale_rows (ops/row_ops.hpp, branch
-// vl-rowops) had not landed when this was written, so the taps are applied
-// as one GEMM with the dense interpolation matrix W [P, side²] (4 nonzeros a
-// row, the module's dtype): pos = W · table, dtable += Wᵀ · d. That matrix is
-// P·side² elements (Qwen3-VL's 48 x 48 grid: 2304 per patch), acceptable
-// for the CPU reference and small batches; the gather / scale_rows /
-// embedding_backward form replaces it once the row ops are merged.
+// The position-embedding resample's taps are computed on the host per call
+// (vision_pos_interpolation: for every patch the 4 table rows and weights of
+// the bilinear blend) and applied by ops::pos_embed_interpolate_forward; the
+// backward (ops::pos_embed_interpolate_backward) sums each table row's taps
+// in a fixed order, on the GPU from a by-row grouping of the taps built on the
+// host (ops::pos_embed_row_taps). The context keeps ids and weights [4, P]
+// (and on the GPU the grouping): 32 bytes per patch (48 with the grouping).
 //
 // Devices and dtypes: f32 (the CPU reference) or bf16; CUDA attention needs
 // bf16 and head_dim 64 or 128 (checked at construction).
@@ -61,8 +59,8 @@
 #include "slime/ops/attention.hpp"
 #include "slime/ops/elementwise.hpp"
 #include "slime/ops/gelu.hpp"
-#include "slime/ops/linear.hpp"
 #include "slime/ops/rope.hpp"
+#include "slime/ops/row_ops.hpp"
 
 namespace slime::nn {
 
@@ -161,7 +159,7 @@ struct VisionAttention {
     for (int s = 0; s < 3; ++s) {
       qkv_out[s] = Tensor::empty({P, H, d}, options.dtype, options.device, stream);
       detail::linear_bias_forward(x, qkv.weight.value.slice_rows(s * D, D), qkv.bias.value.slice_rows(s * D, D),
-                                  qkv_out[s].reshape({P, D}), ones_, stream);
+                                  qkv_out[s].reshape({P, D}), stream);
     }
     const ops::RopeSpec spec = ops::RopeSpec::vision(rope_theta);
     ops::rope_forward(qkv_out[0], qkv_out[1], seg.positions, spec, qkv_out[0], qkv_out[1], stream);  // in place
@@ -197,7 +195,7 @@ struct VisionAttention {
     Tensor& db = qkv.bias.ensure_grad(stream);
     for (int s = 0; s < 3; ++s)
       detail::linear_bias_backward(dqkv[s].reshape({P, D}), ctx.x, qkv.weight.value.slice_rows(s * D, D), dx,
-                                   dw.slice_rows(s * D, D), db.slice_rows(s * D, D), /*accumulate=*/s > 0, ones_,
+                                   dw.slice_rows(s * D, D), db.slice_rows(s * D, D), /*accumulate=*/s > 0, bias_ws_,
                                    stream);
     return dx;
   }
@@ -205,7 +203,7 @@ struct VisionAttention {
   template <class F>
   void for_each_workspace(F&& f) {
     f(attention_ws_);
-    f(ones_);
+    f(bias_ws_);
     proj.for_each_workspace(f);
   }
 
@@ -217,7 +215,7 @@ struct VisionAttention {
   }
 
   Tensor attention_ws_;  // f32 workspace of the GPU attention backward
-  Tensor ones_;          // the bias ops' column of ones (nn/linear_with_bias.hpp)
+  Tensor bias_ws_;       // ops::bias_backward's GPU workspace (qkv's bias)
 };
 
 // linear_fc1 -> GELU -> linear_fc2, both with bias: the block MLP (tanh GELU)
@@ -382,12 +380,20 @@ struct VisionOutput {
   std::vector<Tensor> deepstack;  // one [P/m², out_hidden] per deepstack_visual_indexes entry
 };
 
+// The taps of one forward's position-embedding resample, on the model's
+// device: what ops::pos_embed_interpolate_{forward,backward} read.
+struct VisionPosTaps {
+  Tensor ids;                   // [4, P] i32: table rows
+  Tensor weights;               // [4, P] f32
+  ops::PosEmbedRowTaps by_row;  // the taps grouped by table row (GPU only; empty on the CPU)
+};
+
 class Qwen3VLVisionModel {
  public:
   struct Context {
     VisionSegments segments;
     LinearWithBias::Context patch_embed;
-    Tensor interpolation;  // [P, side²] in the model's dtype: the bilinear taps as a matrix
+    VisionPosTaps pos_taps;  // the position-embedding resample's taps
     std::vector<VisionBlock::Context> blocks;
     std::vector<VisionPatchMerger::Context> deepstack;
     VisionPatchMerger::Context merger;
@@ -478,7 +484,7 @@ class Qwen3VLVisionModel {
                        Hooks& hooks) {
     check_inputs(pixel_values, grids);
     make_segments(grids, ctx.segments, stream);
-    ctx.interpolation = interpolation_matrix(grids, stream);
+    ctx.pos_taps = pos_taps(grids, stream);
     ctx.blocks.resize(blocks_.size());
     ctx.deepstack.resize(deepstack_.size());
     VisionOutput out;
@@ -487,8 +493,8 @@ class Qwen3VLVisionModel {
     std::size_t u = 0;
     hooks.forward_begin(u);
     Tensor h = patch_embed_.forward(pixel_values, ctx.patch_embed, stream);  // [P, D]
-    // h += W · table: linear_backward_input computes dy · w = W [P, S] · table [S, D].
-    ops::linear_backward_input(ctx.interpolation, pos_embed_.value, h, /*accumulate=*/true, stream);
+    ops::pos_embed_interpolate_forward(pos_embed_.value, ctx.pos_taps.ids, ctx.pos_taps.weights, h,
+                                       /*accumulate=*/true, stream);
     hooks.forward_end(u++);
     for (std::size_t i = 0; i < blocks_.size(); ++i) {
       hooks.forward_begin(u);
@@ -516,7 +522,7 @@ class Qwen3VLVisionModel {
   template <UnitHooks Hooks>
   Tensor backward(const Context& ctx, const Tensor& d_embeds, const std::vector<Tensor>& d_deepstack,
                   const Stream& stream, Hooks& hooks, bool pixel_grad = false) {
-    SLIME_CHECK(ctx.blocks.size() == blocks_.size() && ctx.interpolation.defined(), prefix_,
+    SLIME_CHECK(ctx.blocks.size() == blocks_.size() && ctx.pos_taps.ids.defined(), prefix_,
                 ": backward needs the context of a forward of this tower");
     SLIME_CHECK(d_deepstack.empty() || d_deepstack.size() == deepstack_.size(), prefix_, ": backward got ",
                 d_deepstack.size(), " deepstack gradients, expected none or ", deepstack_.size(),
@@ -546,8 +552,8 @@ class Qwen3VLVisionModel {
       hooks.backward_end(u);
     }
     hooks.backward_begin(0);
-    // dtable += Wᵀ · d: linear_backward_weight computes dw += dyᵀ · x with dy = W, x = d.
-    ops::linear_backward_weight(ctx.interpolation, d, pos_embed_.ensure_grad(stream), stream);
+    ops::pos_embed_interpolate_backward(d, ctx.pos_taps.ids, ctx.pos_taps.weights, ctx.pos_taps.by_row,
+                                        pos_embed_.ensure_grad(stream), stream);
     Tensor d_pixels;
     if (pixel_grad) d_pixels = Tensor::empty(ctx.patch_embed.x.shape(), options_.dtype, options_.device, stream);
     patch_embed_.backward_into(ctx.patch_embed, d, d_pixels, false, stream);
@@ -654,19 +660,26 @@ class Qwen3VLVisionModel {
     seg.max_seqlen = max_len;
   }
 
-  // The dense [P, side²] matrix of vision_pos_interpolation's taps (a row's
-  // weights summed where taps coincide), in the model's dtype.
-  Tensor interpolation_matrix(std::span<const GridThw> grids, const Stream& stream) const {
+  // vision_pos_interpolation's taps as tensors on the model's device; the
+  // by-row grouping (which also validates the ids) for the GPU backward.
+  VisionPosTaps pos_taps(std::span<const GridThw> grids, const Stream& stream) const {
     const VisionPosInterpolation t = vision_pos_interpolation(grids, config_.grid_side(), config_.spatial_merge_size);
-    const int64_t P = t.patches(), S = config_.num_position_embeddings;
-    std::vector<float> w(std::size_t(P * S), 0.f);
-    for (std::size_t k = 0; k < 4; ++k)
-      for (int64_t p = 0; p < P; ++p) w[std::size_t(p * S + t.ids[k][std::size_t(p)])] += t.weights[k][std::size_t(p)];
-    Tensor host = Tensor::from_vector(w, {P, S});
-    if (options_.dtype == DType::f32 && options_.device.is_cpu()) return host;
-    Tensor cast = Tensor::empty({P, S}, options_.dtype);
-    ops::cast(host, cast);
-    return options_.device.is_cpu() ? cast : cast.to(options_.device, stream);
+    const int64_t P = t.patches();
+    std::vector<int32_t> ids;
+    std::vector<float> weights;
+    ids.reserve(std::size_t(4 * P));
+    weights.reserve(std::size_t(4 * P));
+    for (std::size_t k = 0; k < 4; ++k) {
+      ids.insert(ids.end(), t.ids[k].begin(), t.ids[k].end());
+      weights.insert(weights.end(), t.weights[k].begin(), t.weights[k].end());
+    }
+    VisionPosTaps out;
+    const Tensor host_ids = Tensor::from_vector(ids, {4, P});
+    out.ids = options_.device.is_cpu() ? host_ids : host_ids.to(options_.device, stream);
+    out.weights = Tensor::from_vector(weights, {4, P}, options_.device, stream);
+    if (options_.device.is_cuda())
+      out.by_row = ops::pos_embed_row_taps(host_ids, config_.num_position_embeddings, options_.device, stream);
+    return out;
   }
 
   Qwen3VLVisionConfig config_;
