@@ -33,13 +33,13 @@
 //              4x1024 1.74e13
 //     fwd_bwd: 1x448 1.73e12, 4x448 6.90e12, 8x448 1.38e13, 1x1024 1.30e13,
 //              4x1024 5.21e13
-//   Not counted: the position-embedding resample, which slime runs as a GEMM
-//   with a dense [P, 2304] interpolation matrix (nn/vision.hpp; transformers
-//   gathers 4 taps), nor the norms, GELU and rotary.
+//   Not counted: the position-embedding resample (4 taps a patch on both
+//   sides: ops::pos_embed_interpolate, transformers' gather), nor the norms,
+//   GELU and rotary.
 //   Counters: patches_per_s = P / time, TFLOPs, flop, patches, images,
 //   check_embeds_rel and check_grad_rel (the small-tower check below).
-//   The per-call host work (segments, rotary positions and the [P, 2304]
-//   interpolation matrix built on the host and copied up, nn/vision.hpp) is
+//   The per-call host work (segments, rotary positions and the
+//   position-embedding taps built on the host and copied up, nn/vision.hpp) is
 //   inside the timed calls: the events bracket whole calls, so host time the
 //   GPU waits on counts.
 //
