@@ -1,7 +1,15 @@
 // src/ops/attention_kernels.cuh: FlashAttention-2 style kernels for packed
-// (varlen) GQA attention on bf16, head_dim 64 or 128, with a mask policy
-// (CausalMask / FullMask from slime/ops/cpu/attention.hpp). Included only by
-// the per-variant translation units attention_{fwd,bwd}_hd{64,128}.cu.
+// (varlen) GQA attention on bf16, head_dim 32, 64, 72, 80, 96, 128 or 256, with
+// a mask policy (CausalMask / FullMask from slime/ops/cpu/attention.hpp).
+// Included only by the per-variant translation units
+// attention_{fwd,bwd}_hd{32,64,72,80,96,128,256}.cu.
+//
+// Head dims: the tiles are computed at d rounded up to 16 (padded_head_dim;
+// only 72 changes, to 80). Columns past d are zero-filled in shared memory by
+// the loads, add nothing to any product, and are neither stored nor added to
+// the dq accumulator; global strides and the workspace use the real d. Every
+// d is a multiple of 8, so a 16-byte chunk is all real or all padding and
+// rows stay 16-byte aligned. The shapes per d are in FwdConfig and BwdConfig.
 //
 // Tensor cores through mma.sync.m16n8k16 (bf16 in, fp32 accumulate), operands
 // from shared memory by ldmatrix, tiles loaded by cp.async (double-buffered);
