@@ -236,8 +236,8 @@ constexpr int kMaxSmemBytes = 227 * 1024;
 // Chosen by construction (as FA2's shapes).
 template <int kD>
 struct FwdConfig {
-  static constexpr int kHeadDim = kD;                  // of the tensors
-  static constexpr int kDim = padded_head_dim(kD);     // of the tiles
+  static constexpr int kHeadDim = kD;                 // of the tensors
+  static constexpr int kDim = padded_head_dim(kD);    // of the tiles
   static constexpr int kMTiles = kDim <= 64 ? 2 : 1;  // m-tiles of 16 query rows per warp
   static constexpr int kWarps = kDim <= 64 ? 4 : 8;
   static constexpr bool kQInRegs = kDim <= 128;
@@ -568,7 +568,7 @@ struct BwdConfig {
   static constexpr int kDimOut = kDim / kColSplits;  // dK, dV, dQ columns per CTA
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN = 16 * kWarps;         // keys per CTA
+  static constexpr int kBlockN = 16 * kWarps;           // keys per CTA
   static constexpr int kBlockM = kDim > 128 ? 32 : 64;  // query rows per step
   static constexpr int kMinBlocks = 1;
   static constexpr bool kKVInRegs = kDim <= 64;
@@ -654,8 +654,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int h = hk * group + it / n_m;
     const int row0 = (m_begin + it % n_m) * kBM;
     const int valid = min(kBM, len_q - row0);
-    load_tile<kBM, kDP, kThreads, kD>(sQ + buf * kBM * kStride, gQ + int64_t(row0) * q_stride + h * kD, q_stride,
-                                      valid, tid);
+    load_tile<kBM, kDP, kThreads, kD>(sQ + buf * kBM * kStride, gQ + int64_t(row0) * q_stride + h * kD, q_stride, valid,
+                                      tid);
     load_tile<kBM, kDP, kThreads, kD>(sdO + buf * kBM * kStride, gdO + int64_t(row0) * q_stride + h * kD, q_stride,
                                       valid, tid);
   };
@@ -760,8 +760,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
         for (int j = 0; j < kDqCols / 16; ++j)
           if (kDqExact || wn * kDqChunks + j < kDO / 16)
-            ldmatrix_x4_trans(kb[j],
-                              sK + 16 * kk * kStride + lane_off_m16(lane, kStride) + c0 + wn * kDqCols + 16 * j);
+            ldmatrix_x4_trans(kb[j], sK + 16 * kk * kStride + lane_off_m16(lane, kStride) + c0 + wn * kDqCols + 16 * j);
 #pragma unroll
         for (int mt = 0; mt < kDqTiles; ++mt) {
           uint32_t a[4];
