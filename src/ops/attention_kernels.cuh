@@ -51,6 +51,12 @@
 //              per 320 HMMA, 1 barrier.
 //   bwd d 64:  237-242 / 0 / 109 KB / 1; per step 88 LDSM per 160 HMMA,
 //              1 barrier.
+//   The other head dims (fwd; bwd): d 32: 186-192 / 0 / 30 KB / 2; 172-173 /
+//   0 / 77 KB / 1. d 72 (tiles of 80): 178-184 / 0 / 66 KB / 1; 241-255 / 0 /
+//   125 KB / 1. d 80: 168-170 / 0 / 66 KB / 1; 248-252 / 0 / 125 KB / 1.
+//   d 96: 184-186 / 0 / 78 KB / 1; 246-253 / 0 / 141 KB / 1. d 256: 254-255 /
+//   0 (full), 8 B (causal) / 198 KB / 1; 247-249 / 0 / 218.5 KB / 1, two CTAs
+//   per key block.
 //   The printf of check_sequence costs ~16-24 bytes of stack on the cold path.
 // Measured times: README's benchmark table and bench/RESULTS.md.
 //
@@ -595,6 +601,7 @@ struct BwdConfig {
                 "dQ tile must split over the warps, each with some columns");
   static_assert(kBlockM % 16 == 0 && kBlockM <= kThreads, "one thread per query row loads lse and D");
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory beyond the sm_90 limit");
+  static_assert(kColSplits == 1 || kDim == kD, "padding columns only where one CTA owns all columns (c0 = 0)");
 };
 
 template <class Cfg, class Mask>
