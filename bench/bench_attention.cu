@@ -6,6 +6,7 @@
 // Shapes: Hq = Hkv = 16 heads, causal self-attention, sequences of equal
 // length (so that torch's padded batch does exactly the same work):
 //   hd128: 1 x 4096 and 4 x 1024 tokens       hd64: 1 x 2048 and 4 x 512
+//   hd80, hd256: 1 x 2048 (Qwen2.5-VL's vision tower; the largest head dim)
 // The two numbers, per call (pairs = sum over sequences of L (L + 1) / 2, the
 // (query, key) pairs the causal mask keeps):
 //   FLOP  fwd = 4 d pairs Hq  (q k^T and p v, 2 FLOP per multiply-add)
@@ -60,7 +61,8 @@ struct AttnShape {
   int64_t head_dim, seqs, seqlen;
 };
 
-constexpr AttnShape kShapes[] = {{128, 1, 4096}, {128, 4, 1024}, {64, 1, 2048}, {64, 4, 512}};
+constexpr AttnShape kShapes[] = {{128, 1, 4096}, {128, 4, 1024}, {64, 1, 2048},
+                                 {64, 4, 512},   {80, 1, 2048},  {256, 1, 2048}};
 
 enum class Op { fwd, bwd, fwdbwd };
 constexpr const char* op_name(Op op) { return op == Op::fwd ? "fwd" : op == Op::bwd ? "bwd" : "fwdbwd"; }

@@ -44,7 +44,7 @@ import bench_util  # noqa: E402  (bench/, beside this script)
 
 HEADS = 16
 # (head_dim, sequences, tokens per sequence), as in bench_attention.cu.
-SHAPES = [(128, 1, 4096), (128, 4, 1024), (64, 1, 2048), (64, 4, 512)]
+SHAPES = [(128, 1, 4096), (128, 4, 1024), (64, 1, 2048), (64, 4, 512), (80, 1, 2048), (256, 1, 2048)]
 BACKENDS = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]
 
 

@@ -1,7 +1,15 @@
 // src/ops/attention_kernels.cuh: FlashAttention-2 style kernels for packed
-// (varlen) GQA attention on bf16, head_dim 64 or 128, with a mask policy
-// (CausalMask / FullMask from slime/ops/cpu/attention.hpp). Included only by
-// the per-variant translation units attention_{fwd,bwd}_hd{64,128}.cu.
+// (varlen) GQA attention on bf16, head_dim 32, 64, 72, 80, 96, 128 or 256, with
+// a mask policy (CausalMask / FullMask from slime/ops/cpu/attention.hpp).
+// Included only by the per-variant translation units
+// attention_{fwd,bwd}_hd{32,64,72,80,96,128,256}.cu.
+//
+// Head dims: the tiles are computed at d rounded up to 16 (padded_head_dim;
+// only 72 changes, to 80). Columns past d are zero-filled in shared memory by
+// the loads, add nothing to any product, and are neither stored nor added to
+// the dq accumulator; global strides and the workspace use the real d. Every
+// d is a multiple of 8, so a 16-byte chunk is all real or all padding and
+// rows stay 16-byte aligned. The shapes per d are in FwdConfig and BwdConfig.
 //
 // Tensor cores through mma.sync.m16n8k16 (bf16 in, fp32 accumulate), operands
 // from shared memory by ldmatrix, tiles loaded by cp.async (double-buffered);
@@ -43,6 +51,12 @@
 //              per 320 HMMA, 1 barrier.
 //   bwd d 64:  237-242 / 0 / 109 KB / 1; per step 88 LDSM per 160 HMMA,
 //              1 barrier.
+//   The other head dims (fwd; bwd): d 32: 186-192 / 0 / 30 KB / 2; 172-173 /
+//   0 / 77 KB / 1. d 72 (tiles of 80): 178-184 / 0 / 66 KB / 1; 241-255 / 0 /
+//   125 KB / 1. d 80: 168-170 / 0 / 66 KB / 1; 248-252 / 0 / 125 KB / 1.
+//   d 96: 184-186 / 0 / 78 KB / 1; 246-253 / 0 / 141 KB / 1. d 256: 254-255 /
+//   0 (full), 8 B (causal) / 198 KB / 1; 247-249 / 0 / 218.5 KB / 1, two CTAs
+//   per key block.
 //   The printf of check_sequence costs ~16-24 bytes of stack on the cold path.
 // Measured times: README's benchmark table and bench/RESULTS.md.
 //
@@ -161,10 +175,13 @@ __device__ __forceinline__ int lane_off_n16(int lane, int stride) {
 }
 
 // Copies a kRows x kD bf16 tile (global row stride `stride` elements) into
-// shared memory with row stride kD + 8; rows >= valid are zero-filled. Row 0
-// of `g` must be a valid address (it is the dummy source of zero fills).
-template <int kRows, int kD, int kThreads>
+// shared memory with row stride kD + 8; rows >= valid and columns >= kDValid
+// (a multiple of 8: the padding of a head dim that is not a multiple of 16)
+// are zero-filled. Row 0 of `g` must be a valid address (it is the dummy
+// source of zero fills).
+template <int kRows, int kD, int kThreads, int kDValid = kD>
 __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int64_t stride, int valid, int tid) {
+  static_assert(kDValid % 8 == 0 && kDValid <= kD, "whole 16-byte chunks are valid or padding");
   constexpr int kChunksPerRow = kD / 8;
   constexpr int kChunks = kRows * kChunksPerRow;
   constexpr int kIters = (kChunks + kThreads - 1) / kThreads;
@@ -173,7 +190,7 @@ __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int64_t stride
     const int c = it * kThreads + tid;
     if (kChunks % kThreads == 0 || c < kChunks) {
       const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-      const bool ok = r < valid;
+      const bool ok = r < valid && (kDValid == kD || col < kDValid);
       cp_async_16(s + r * (kD + 8) + col, ok ? g + r * stride + col : g, ok);
     }
   }
@@ -201,34 +218,51 @@ __device__ __forceinline__ void check_sequence(const int32_t* cu, int b, int num
   }
 }
 
+// The head dim the tiles are computed at: d rounded up to the mma's k of 16.
+// The columns past d (72 -> 80) are zero in shared memory, so they add nothing
+// to q k^T, dP or any product, and the results' columns there are not stored.
+constexpr int padded_head_dim(int d) { return (d + 15) / 16 * 16; }
+
+// Opt-in dynamic shared memory per block on sm_90 (227 KB).
+constexpr int kMaxSmemBytes = 227 * 1024;
+
 // ---- Forward -------------------------------------------------------------------
 
 // Tile shapes. Each warp owns kMTiles m16 tiles of query rows and keeps their
-// Q fragments in registers; BM = 16 * kMTiles * warps. Shared memory: Q [BM, d+8] and
-// kStages x (K, V) [BN, d+8].
-//   d = 128: BM 128, BN 64, 8 warps, 1 CTA/SM: 104 KB smem, <= 255 registers.
+// Q fragments in registers (kQInRegs); BM = 16 * kMTiles * warps. Shared
+// memory: Q [BM, d+8] and kStages x (K, V) [BN, d+8] (d padded to 16).
+//   d = 128: BM 128, BN 64, 8 warps, 1 CTA/SM: 102 KB smem, <= 255 registers.
 //   d = 64:  BM 128 (4 warps x 2 m-tiles), BN 64, 2 CTAs/SM: 54 KB smem,
 //            <= 255 registers.
+//   d = 32:  the shape of d 64: 30 KB smem.
+//   d = 72, 80 (tiles at 80), 96: the shape of d 128: 66, 66, 78 KB smem.
+//   d = 256: the shape of d 128 with Q read from shared memory at every key
+//            block (its fragments would take 64 more registers beside the
+//            128 of the O accumulator): 198 KB smem.
 // Chosen by construction (as FA2's shapes).
 template <int kD>
 struct FwdConfig {
-  static constexpr int kHeadDim = kD;
-  static constexpr int kMTiles = kD == 64 ? 2 : 1;  // m-tiles of 16 query rows per warp
-  static constexpr int kWarps = kD == 64 ? 4 : 8;
+  static constexpr int kHeadDim = kD;                 // of the tensors
+  static constexpr int kDim = padded_head_dim(kD);    // of the tiles
+  static constexpr int kMTiles = kDim <= 64 ? 2 : 1;  // m-tiles of 16 query rows per warp
+  static constexpr int kWarps = kDim <= 64 ? 4 : 8;
+  static constexpr bool kQInRegs = kDim <= 128;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;
   static constexpr int kBlockN = 64;
   static constexpr int kStages = 2;
-  static constexpr int kMinBlocks = kD == 64 ? 2 : 1;
-  static constexpr int kStride = kD + 8;  // smem row stride, elements
+  static constexpr int kMinBlocks = kDim <= 64 ? 2 : 1;
+  static constexpr int kStride = kDim + 8;  // smem row stride, elements
   static constexpr int kSmemBytes = (kBlockM + 2 * kStages * kBlockN) * kStride * int(sizeof(bf16));
-  static_assert(kD % 16 == 0 && kBlockN % 16 == 0, "tiles are made of 16x16 mma steps");
+  static_assert(kD % 8 == 0 && kBlockN % 16 == 0, "tiles are made of 16x16 mma steps and 16-byte rows");
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory beyond the sm_90 limit");
 };
 
 template <class Cfg, class Mask>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_kernel(const AttentionForwardParams p) {
-  constexpr int kD = Cfg::kHeadDim, kBM = Cfg::kBlockM, kBN = Cfg::kBlockN, kStride = Cfg::kStride;
-  constexpr int kThreads = Cfg::kThreads;
+  // kD: the tensors' head dim (global strides and stores); kDP: the tiles'.
+  constexpr int kD = Cfg::kHeadDim, kDP = Cfg::kDim, kBM = Cfg::kBlockM, kBN = Cfg::kBlockN;
+  constexpr int kStride = Cfg::kStride, kThreads = Cfg::kThreads;
   SLIME_ATTENTION_DYNAMIC_SMEM(smem_raw);
   bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
   bf16* sK = sQ + kBM * kStride;                 // [kStages][kBN][kStride]
@@ -262,21 +296,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
   const bf16* gV = static_cast<const bf16*>(p.v) + int64_t(k0) * kv_stride + hk * kD;
 
   // Groups in flight: {Q}, {K0, V0}; then one group per loop iteration.
-  load_tile<kBM, kD, kThreads>(sQ, gQ, q_stride, rows_here, tid);
+  load_tile<kBM, kDP, kThreads, kD>(sQ, gQ, q_stride, rows_here, tid);
   cp_async_commit();
   if (n_blocks > 0) {
-    load_tile<kBN, kD, kThreads>(sK, gK, kv_stride, min(kBN, len_k), tid);
-    load_tile<kBN, kD, kThreads>(sV, gV, kv_stride, min(kBN, len_k), tid);
+    load_tile<kBN, kDP, kThreads, kD>(sK, gK, kv_stride, min(kBN, len_k), tid);
+    load_tile<kBN, kDP, kThreads, kD>(sV, gV, kv_stride, min(kBN, len_k), tid);
   }
   cp_async_commit();
 
   const float scale_log2 = p.softmax_scale * kLog2e;
   constexpr int kMT = Cfg::kMTiles;  // m-tiles (16 rows each) per warp
-  float acc_o[kMT][kD / 8][4];
+  float acc_o[kMT][kDP / 8][4];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int i = 0; i < kD / 8; ++i)
+    for (int i = 0; i < kDP / 8; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[mt][i][e] = 0.f;
   // Per thread and m-tile: rows g and g + 8 of the tile's 16. m_i is the
@@ -290,25 +324,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
       m_i[mt][r] = -INFINITY;
       l_i[mt][r] = 0.f;
     }
-  // Q fragments stay in registers for the whole key loop.
-  uint32_t qf[kMT][kD / 16][4];
+  // Q fragments stay in registers for the whole key loop (kQInRegs), or are
+  // read from sQ (never overwritten) one k-step at a time into qf[mt][0].
+  constexpr bool kQRegs = Cfg::kQInRegs;
+  uint32_t qf[kMT][kQRegs ? kDP / 16 : 1][4];
   cp_async_wait<1>();  // Q landed
   __syncthreads();
+  if constexpr (kQRegs) {
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks)
-      ldmatrix_x4(qf[mt][ks], sQ + (warp * kMT + mt) * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+      for (int ks = 0; ks < kDP / 16; ++ks)
+        ldmatrix_x4(qf[mt][ks], sQ + (warp * kMT + mt) * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+  }
 
   for (int n = 0; n < n_blocks; ++n) {
     const int stage = n & 1;
     if (n + 1 < n_blocks) {
       const int next = (n + 1) * kBN;
       const int valid = min(kBN, len_k - next);
-      load_tile<kBN, kD, kThreads>(sK + (stage ^ 1) * kBN * kStride, gK + int64_t(next) * kv_stride, kv_stride, valid,
-                                   tid);
-      load_tile<kBN, kD, kThreads>(sV + (stage ^ 1) * kBN * kStride, gV + int64_t(next) * kv_stride, kv_stride, valid,
-                                   tid);
+      load_tile<kBN, kDP, kThreads, kD>(sK + (stage ^ 1) * kBN * kStride, gK + int64_t(next) * kv_stride, kv_stride,
+                                        valid, tid);
+      load_tile<kBN, kDP, kThreads, kD>(sV + (stage ^ 1) * kBN * kStride, gV + int64_t(next) * kv_stride, kv_stride,
+                                        valid, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();  // everything but the group just committed: tile n landed
@@ -327,15 +365,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][i][e] = 0.f;
 #pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
+    for (int ks = 0; ks < kDP / 16; ++ks) {
+      if constexpr (!kQRegs) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+          ldmatrix_x4(qf[mt][0], sQ + (warp * kMT + mt) * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
+      }
+      const int qk = kQRegs ? ks : 0;
 #pragma unroll
       for (int j = 0; j < kBN / 16; ++j) {
         uint32_t kb[4];
         ldmatrix_x4(kb, sKs + 16 * j * kStride + lane_off_n16(lane, kStride) + ks * 16);
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          mma_bf16(s[mt][2 * j], qf[mt][ks], kb[0], kb[1]);
-          mma_bf16(s[mt][2 * j + 1], qf[mt][ks], kb[2], kb[3]);
+          mma_bf16(s[mt][2 * j], qf[mt][qk], kb[0], kb[1]);
+          mma_bf16(s[mt][2 * j + 1], qf[mt][qk], kb[2], kb[3]);
         }
       }
     }
@@ -371,7 +415,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
         m_i[mt][r] = mx;
         l_i[mt][r] *= corr;
 #pragma unroll
-        for (int i = 0; i < kD / 8; ++i) {
+        for (int i = 0; i < kDP / 8; ++i) {
           acc_o[mt][i][2 * r] *= corr;
           acc_o[mt][i][2 * r + 1] *= corr;
         }
@@ -394,7 +438,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) c_pair_to_a(pa[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
-      for (int j = 0; j < kD / 16; ++j) {
+      for (int j = 0; j < kDP / 16; ++j) {
         uint32_t vb[4];
         ldmatrix_x4_trans(vb, sVs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
 #pragma unroll
@@ -409,7 +453,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
   cp_async_wait<0>();
 
   // Epilogue: o = acc / l, lse = ln 2 * (m * scale_log2 + log2 l); a row with
-  // no visible key (l = 0) gets o = 0, lse = -inf.
+  // no visible key (l = 0) gets o = 0, lse = -inf. Padding columns (>= kD)
+  // are not stored.
   bf16* gO = static_cast<bf16*>(p.o) + int64_t(q0) * q_stride + h * kD;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -422,9 +467,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
       if (row < len_q) {
         bf16* o_row = gO + int64_t(row) * q_stride;
 #pragma unroll
-        for (int i = 0; i < kD / 8; ++i)
-          *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane & 3)) =
-              pack_bf16(acc_o[mt][i][2 * r] * inv, acc_o[mt][i][2 * r + 1] * inv);
+        for (int i = 0; i < kDP / 8; ++i)
+          if (i * 8 < kD)
+            *reinterpret_cast<uint32_t*>(o_row + i * 8 + 2 * (lane & 3)) =
+                pack_bf16(acc_o[mt][i][2 * r] * inv, acc_o[mt][i][2 * r + 1] * inv);
         if ((lane & 3) == 0) p.lse[int64_t(q0 + row) * p.heads_q + h] = lse;
       }
     }
@@ -454,16 +500,24 @@ void forward_launch(const AttentionForwardParams& p, cudaStream_t stream) {
 
 // ---- Backward ------------------------------------------------------------------
 
-// D = rowsum(do * o) per (token, head), fp32: kD / 8 lanes per row, 16 bytes
-// each. rows = T * Hq.
+// Lanes per row of the preprocess: d / 8 (one 16-byte chunk each) rounded up
+// to a power of two, so that a row's lanes are an aligned group of a warp.
+constexpr int preprocess_lanes(int d) {
+  int lanes = 1;
+  while (lanes < d / 8) lanes *= 2;
+  return lanes;
+}
+
+// D = rowsum(do * o) per (token, head), fp32: preprocess_lanes(kD) lanes per
+// row, the first kD / 8 of them reading 16 bytes each. rows = T * Hq.
 template <int kD>
 __global__ void attention_bwd_preprocess_kernel(const bf16* o, const bf16* d_o, float* delta, int64_t rows) {
-  constexpr int kLanes = kD / 8;
-  static_assert(32 % kLanes == 0, "a row's lanes stay inside one warp");
+  constexpr int kChunks = kD / 8, kLanes = preprocess_lanes(kD);
+  static_assert(kD % 8 == 0 && 32 % kLanes == 0, "a row's lanes stay inside one warp");
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
   const int part = int(threadIdx.x % kLanes);
   float sum = 0.f;
-  if (row < rows) {
+  if (row < rows && (kChunks == kLanes || part < kChunks)) {
     const uint4 a = *reinterpret_cast<const uint4*>(o + row * kD + part * 8);
     const uint4 c = *reinterpret_cast<const uint4*>(d_o + row * kD + part * 8);
     const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, cw[4] = {c.x, c.y, c.z, c.w};
@@ -503,38 +557,61 @@ __global__ void attention_bwd_dq_kernel(const float* acc, bf16* dq, int64_t n, f
 // atomics.
 //   d = 128: BN 128 (8 warps), BM 64: 173 KB smem, 1 CTA/SM (FA2's shape).
 //   d = 64:  BN 128 (8 warps), BM 64: 109 KB smem, 1 CTA/SM (registers).
+//   d = 32:  the shape of d 64: 77 KB smem.
+//   d = 72, 80 (tiles at 80), 96: the shape of d 128 but dQ split 4 x 2
+//            warps (at 80 the second column warp has 2 of the 5 16-column
+//            chunks, the first 3): 125, 125, 141 KB smem.
+//   d = 256: dK and dV of 16 keys x 256 columns would take 256 registers per
+//            thread, so the output columns are split over two CTAs per (key
+//            block, kv head) (kColSplits): each computes S^T and dP^T over all
+//            of d and dK, dV and dQ for its 128 columns (as at d 128); BM 32
+//            keeps K, V, Q, dO at d 256 within the limit: 218.5 KB smem.
 template <int kD>
 struct BwdConfig {
-  static constexpr int kHeadDim = kD;
+  static constexpr int kHeadDim = kD;               // of the tensors
+  static constexpr int kDim = padded_head_dim(kD);  // of the tiles
+  static constexpr int kColSplits = kDim > 128 ? 2 : 1;
+  static constexpr int kDimOut = kDim / kColSplits;  // dK, dV, dQ columns per CTA
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockN = 16 * kWarps;  // keys per CTA
-  static constexpr int kBlockM = 64;           // query rows per step
+  static constexpr int kBlockN = 16 * kWarps;           // keys per CTA
+  static constexpr int kBlockM = kDim > 128 ? 32 : 64;  // query rows per step
   static constexpr int kMinBlocks = 1;
-  static constexpr bool kKVInRegs = kD == 64;
-  static constexpr int kStride = kD + 8;
+  static constexpr bool kKVInRegs = kDim <= 64;
+  static constexpr int kStride = kDim + 8;
   static constexpr int kStrideS = kBlockM + 8;  // dS^T [2][kBlockN][kBlockM + 8]
-  // dQ_partial [kBlockM, kD]: warps kWarpsM (query rows) x kWarpsN (columns),
-  // each kDqTiles m-tiles of 16 rows x kDqCols columns. d = 128: 2 x 4 warps,
-  // 32 x 32 per warp (16 + 16 ldmatrix.x4 per 64 mma instead of 8 + 32 for
-  // 16 x 64); d = 64: 4 x 2, 16 x 32 (24 per 32 mma either way).
-  static constexpr int kWarpsM = kD == 128 ? 2 : kBlockM / 16;
+  // dQ_partial [kBlockM, kDimOut]: warps kWarpsM (query rows) x kWarpsN
+  // (columns), each kDqTiles m-tiles of 16 rows x kDqCols columns. d = 128: 2
+  // x 4 warps, 32 x 32 per warp (16 + 16 ldmatrix.x4 per 64 mma instead of 8
+  // + 32 for 16 x 64); d = 64: 4 x 2, 16 x 32 (24 per 32 mma either way).
+  // Where the 16-column chunks do not split evenly (d 80), the last column
+  // warp's kDqCols run past kDimOut and its chunks there are skipped.
+  static constexpr int kWarpsM = kDimOut == 128 ? 2 : kBlockM / 16;
   static constexpr int kWarpsN = kWarps / kWarpsM;
   static constexpr int kDqTiles = kBlockM / 16 / kWarpsM;
-  static constexpr int kDqCols = kD / kWarpsN;
+  static constexpr int kDqChunks = (kDimOut / 16 + kWarpsN - 1) / kWarpsN;  // 16-column chunks per warp
+  static constexpr int kDqCols = 16 * kDqChunks;
+  // Every warp's dQ columns are real ones (no chunk to skip, no padding).
+  static constexpr bool kDqExact = kDqCols * kWarpsN == kDimOut && kDim == kD;
   static constexpr int kSmemBytes =
       ((2 * kBlockN + 4 * kBlockM) * kStride + 2 * kBlockN * kStrideS) * int(sizeof(bf16)) +
       4 * kBlockM * int(sizeof(float));
-  static_assert(kWarps % kWarpsM == 0 && kDqCols % 16 == 0 && kDqTiles * kWarpsM * 16 == kBlockM,
-                "dQ tile must split evenly over the warps");
+  static_assert(kD % 8 == 0 && kDimOut % 16 == 0, "tiles are made of 16x16 mma steps and 16-byte rows");
+  static_assert(kWarps % kWarpsM == 0 && kDqTiles * kWarpsM * 16 == kBlockM && kDqCols * (kWarpsN - 1) < kDimOut,
+                "dQ tile must split over the warps, each with some columns");
   static_assert(kBlockM % 16 == 0 && kBlockM <= kThreads, "one thread per query row loads lse and D");
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory beyond the sm_90 limit");
+  static_assert(kColSplits == 1 || kDim == kD, "padding columns only where one CTA owns all columns (c0 = 0)");
 };
 
 template <class Cfg, class Mask>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     attention_bwd_kernel(const AttentionBackwardParams bp) {
-  constexpr int kD = Cfg::kHeadDim, kBM = Cfg::kBlockM, kBN = Cfg::kBlockN;
+  // kD: the tensors' head dim (global strides and stores); kDP: the tiles';
+  // kDO: the dK, dV and dQ columns of this CTA, [c0, c0 + kDO).
+  constexpr int kD = Cfg::kHeadDim, kDP = Cfg::kDim, kDO = Cfg::kDimOut, kBM = Cfg::kBlockM, kBN = Cfg::kBlockN;
   constexpr int kStride = Cfg::kStride, kStrideS = Cfg::kStrideS, kThreads = Cfg::kThreads;
+  constexpr int kSplits = Cfg::kColSplits;
   const AttentionForwardParams& p = bp.fwd;
   SLIME_ATTENTION_DYNAMIC_SMEM(smem_raw);
   bf16* sK = reinterpret_cast<bf16*>(smem_raw);                      // [kBN][kStride]
@@ -545,7 +622,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   float* sLse = reinterpret_cast<float*>(sdS + 2 * kBN * kStrideS);  // [2][kBM], log2 domain
   float* sDelta = sLse + 2 * kBM;                                    // [2][kBM]
 
-  const int n_block = blockIdx.x, b = blockIdx.y, hk = blockIdx.z;
+  // blockIdx.z = kv head * kSplits + column split.
+  const int n_block = blockIdx.x, b = blockIdx.y;
+  const int hk = kSplits == 1 ? int(blockIdx.z) : int(blockIdx.z) / kSplits;
+  const int c0 = kSplits == 1 ? 0 : int(blockIdx.z) % kSplits * kDO;
   const int q0 = p.cu_seqlens_q[b], len_q = p.cu_seqlens_q[b + 1] - q0;
   const int k0 = p.cu_seqlens_k[b], len_k = p.cu_seqlens_k[b + 1] - k0;
   if (n_block == 0 && hk == 0) {
@@ -581,10 +661,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int h = hk * group + it / n_m;
     const int row0 = (m_begin + it % n_m) * kBM;
     const int valid = min(kBM, len_q - row0);
-    load_tile<kBM, kD, kThreads>(sQ + buf * kBM * kStride, gQ + int64_t(row0) * q_stride + h * kD, q_stride, valid,
-                                 tid);
-    load_tile<kBM, kD, kThreads>(sdO + buf * kBM * kStride, gdO + int64_t(row0) * q_stride + h * kD, q_stride, valid,
-                                 tid);
+    load_tile<kBM, kDP, kThreads, kD>(sQ + buf * kBM * kStride, gQ + int64_t(row0) * q_stride + h * kD, q_stride, valid,
+                                      tid);
+    load_tile<kBM, kDP, kThreads, kD>(sdO + buf * kBM * kStride, gdO + int64_t(row0) * q_stride + h * kD, q_stride,
+                                      valid, tid);
   };
   // lse (log2 domain) and D of row `tid` of a step, read into registers early
   // and stored to shared memory late, so the loads' latency hides behind a
@@ -608,15 +688,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
   };
 
-  float acc_dk[kD / 8][4], acc_dv[kD / 8][4];
+  float acc_dk[kDO / 8][4], acc_dv[kDO / 8][4];
 #pragma unroll
-  for (int i = 0; i < kD / 8; ++i)
+  for (int i = 0; i < kDO / 8; ++i)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
 
   if (n_iter > 0) {
-    load_tile<kBN, kD, kThreads>(sK, gK, kv_stride, keys_here, tid);
-    load_tile<kBN, kD, kThreads>(sV, gV, kv_stride, keys_here, tid);
+    load_tile<kBN, kDP, kThreads, kD>(sK, gK, kv_stride, keys_here, tid);
+    load_tile<kBN, kDP, kThreads, kD>(sV, gV, kv_stride, keys_here, tid);
     load_tiles(0, 0);
     float lse, dlt;
     load_row_stats(0, lse, dlt);
@@ -625,11 +705,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   cp_async_commit();
 
   constexpr int kWarpsM = Cfg::kWarpsM, kDqCols = Cfg::kDqCols, kDqTiles = Cfg::kDqTiles;
+  constexpr int kDqChunks = Cfg::kDqChunks;
+  constexpr bool kDqExact = Cfg::kDqExact;
   const int wm = warp % kWarpsM, wn = warp / kWarpsM;
-  // d = 64: the warp's K and V A fragments (16 keys x d) stay in registers
-  // for the whole loop (32 registers); at d = 128 they would take 64.
+  // d <= 64: the warp's K and V A fragments (16 keys x d) stay in registers
+  // for the whole loop (32 registers at d 64); at d = 128 they would take 64.
   constexpr bool kKVRegs = Cfg::kKVInRegs;
-  uint32_t kvf[kKVRegs ? 2 : 1][kKVRegs ? kD / 16 : 1][4];
+  uint32_t kvf[kKVRegs ? 2 : 1][kKVRegs ? kDP / 16 : 1][4];
 
   // One barrier per step: step it's dQ_partial (which needs every warp's
   // dS^T) is computed at the start of step it + 1, after its barrier, from the
@@ -647,7 +729,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     if constexpr (kKVRegs) {
       if (it == 0) {
 #pragma unroll
-        for (int ks = 0; ks < kD / 16; ++ks) {
+        for (int ks = 0; ks < kDP / 16; ++ks) {
           ldmatrix_x4(kvf[0][ks], sK + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
           ldmatrix_x4(kvf[1][ks], sV + warp * 16 * kStride + lane_off_m16(lane, kStride) + ks * 16);
         }
@@ -665,11 +747,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       const int h = hk * group + itq / n_m;
       const int row0 = (m_begin + itq % n_m) * kBM;
       const bf16* sdSq = sdS + (itq & 1) * kBN * kStrideS;
-      // dQ_partial [kBM, d] = dS [kBM, kBN] K [kBN, d]; warp (wm, wn) owns rows
-      // 16 (kDqTiles wm + mt)..+15 for mt < kDqTiles and columns kDqCols wn..
-      // +kDqCols, so each K fragment feeds kDqTiles m-tiles. A = dS from dS^T by
-      // ldmatrix.trans (matrices: keys 0-7 / queries 0-7, keys 0-7 / queries 8-15,
-      // keys 8-15 / queries 0-7, keys 8-15 / queries 8-15), B = K by .trans.
+      // dQ_partial [kBM, kDO] = dS [kBM, kBN] K [kBN, c0..c0+kDO); warp (wm, wn)
+      // owns rows 16 (kDqTiles wm + mt)..+15 for mt < kDqTiles and columns
+      // c0 + kDqCols wn..+kDqCols (16-column chunk j exists iff kDqChunks wn +
+      // j < kDO / 16; warp-uniform), so each K fragment feeds kDqTiles
+      // m-tiles. A = dS from dS^T by ldmatrix.trans (matrices: keys 0-7 /
+      // queries 0-7, keys 0-7 / queries 8-15, keys 8-15 / queries 0-7, keys
+      // 8-15 / queries 8-15), B = K by .trans.
       float acc_dq[kDqTiles][kDqCols / 8][4];
 #pragma unroll
       for (int mt = 0; mt < kDqTiles; ++mt)
@@ -682,15 +766,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         uint32_t kb[kDqCols / 16][4];
 #pragma unroll
         for (int j = 0; j < kDqCols / 16; ++j)
-          ldmatrix_x4_trans(kb[j], sK + 16 * kk * kStride + lane_off_m16(lane, kStride) + wn * kDqCols + 16 * j);
+          if (kDqExact || wn * kDqChunks + j < kDO / 16)
+            ldmatrix_x4_trans(kb[j], sK + 16 * kk * kStride + lane_off_m16(lane, kStride) + c0 + wn * kDqCols + 16 * j);
 #pragma unroll
         for (int mt = 0; mt < kDqTiles; ++mt) {
           uint32_t a[4];
           ldmatrix_x4_trans(a, sdSq + 16 * kk * kStrideS + lane_off_n16(lane, kStrideS) + (wm * kDqTiles + mt) * 16);
 #pragma unroll
           for (int j = 0; j < kDqCols / 16; ++j) {
-            mma_bf16(acc_dq[mt][2 * j], a, kb[j][0], kb[j][1]);
-            mma_bf16(acc_dq[mt][2 * j + 1], a, kb[j][2], kb[j][3]);
+            if (kDqExact || wn * kDqChunks + j < kDO / 16) {
+              mma_bf16(acc_dq[mt][2 * j], a, kb[j][0], kb[j][1]);
+              mma_bf16(acc_dq[mt][2 * j + 1], a, kb[j][2], kb[j][3]);
+            }
           }
         }
       }
@@ -700,11 +787,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         for (int r = 0; r < 2; ++r) {
           const int row = row0 + (wm * kDqTiles + mt) * 16 + (lane >> 2) + 8 * r;
           if (row < len_q) {
-            float* dst = dq_acc + int64_t(row) * q_stride + h * kD + wn * kDqCols + 2 * (lane & 3);
+            // Columns past kD (padding, or a chunk the warp does not own) are
+            // not added: they are the next head's or past the accumulator.
+            const int col = c0 + wn * kDqCols;
+            float* dst = dq_acc + int64_t(row) * q_stride + h * kD + col + 2 * (lane & 3);
 #pragma unroll
             for (int i = 0; i < kDqCols / 8; ++i)
-              atomicAdd(reinterpret_cast<float2*>(dst + i * 8),
-                        make_float2(acc_dq[mt][i][2 * r], acc_dq[mt][i][2 * r + 1]));
+              if (kDqExact || col + i * 8 < min(kD, c0 + kDO))
+                atomicAdd(reinterpret_cast<float2*>(dst + i * 8),
+                          make_float2(acc_dq[mt][i][2 * r], acc_dq[mt][i][2 * r + 1]));
           }
         }
     }
@@ -731,7 +822,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
           for (int e = 0; e < 4; ++e) st[i][e] = 0.f;
 #pragma unroll
-        for (int ks = 0; ks < kD / 16; ++ks) {
+        for (int ks = 0; ks < kDP / 16; ++ks) {
           uint32_t ka[4];
           if constexpr (kKVRegs) {
 #pragma unroll
@@ -764,13 +855,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         for (int kk = 0; kk < kBM / 16; ++kk) c_pair_to_a(pa[kk], st[2 * kk], st[2 * kk + 1]);
       }
 
-      // dV += P^T dO (B = dO by ldmatrix.trans).
+      // dV += P^T dO (B = dO by ldmatrix.trans), the CTA's columns.
 #pragma unroll
       for (int kk = 0; kk < kBM / 16; ++kk)
 #pragma unroll
-        for (int j = 0; j < kD / 16; ++j) {
+        for (int j = 0; j < kDO / 16; ++j) {
           uint32_t ob[4];
-          ldmatrix_x4_trans(ob, sdOs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
+          ldmatrix_x4_trans(ob, sdOs + 16 * kk * kStride + lane_off_m16(lane, kStride) + c0 + 16 * j);
           mma_bf16(acc_dv[2 * j], pa[kk], ob[0], ob[1]);
           mma_bf16(acc_dv[2 * j + 1], pa[kk], ob[2], ob[3]);
         }
@@ -784,7 +875,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dpt[i][e] = 0.f;
 #pragma unroll
-      for (int ks = 0; ks < kD / 16; ++ks) {
+      for (int ks = 0; ks < kDP / 16; ++ks) {
         uint32_t va[4];
         if constexpr (kKVRegs) {
 #pragma unroll
@@ -809,15 +900,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
           dpt[i][e] = pv * (dpt[i][e] - sDs[i * 8 + 2 * (lane & 3) + (e & 1)]);
         }
 
-        // dK += dS^T Q (B = Q by ldmatrix.trans).
+        // dK += dS^T Q (B = Q by ldmatrix.trans), the CTA's columns.
 #pragma unroll
       for (int kk = 0; kk < kBM / 16; ++kk) {
         uint32_t dsa[4];
         c_pair_to_a(dsa, dpt[2 * kk], dpt[2 * kk + 1]);
 #pragma unroll
-        for (int j = 0; j < kD / 16; ++j) {
+        for (int j = 0; j < kDO / 16; ++j) {
           uint32_t qb[4];
-          ldmatrix_x4_trans(qb, sQs + 16 * kk * kStride + lane_off_m16(lane, kStride) + 16 * j);
+          ldmatrix_x4_trans(qb, sQs + 16 * kk * kStride + lane_off_m16(lane, kStride) + c0 + 16 * j);
           mma_bf16(acc_dk[2 * j], dsa, qb[0], qb[1]);
           mma_bf16(acc_dk[2 * j + 1], dsa, qb[2], qb[3]);
         }
@@ -837,16 +928,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   }
   cp_async_wait<0>();
 
-  // dK = scale * dS^T Q summed, dV = P^T dO summed; keys past the sequence are
-  // not written. Keys no row sees get zeros.
-  bf16* gdK = static_cast<bf16*>(bp.dk) + int64_t(k0 + key0) * kv_stride + hk * kD;
-  bf16* gdV = static_cast<bf16*>(bp.dv) + int64_t(k0 + key0) * kv_stride + hk * kD;
+  // dK = scale * dS^T Q summed, dV = P^T dO summed, columns [c0, c0 + kDO)
+  // less the padding past kD; keys past the sequence are not written. Keys
+  // no row sees get zeros.
+  bf16* gdK = static_cast<bf16*>(bp.dk) + int64_t(k0 + key0) * kv_stride + hk * kD + c0;
+  bf16* gdV = static_cast<bf16*>(bp.dv) + int64_t(k0 + key0) * kv_stride + hk * kD + c0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = warp * 16 + (lane >> 2) + 8 * r;
     if (key < keys_here) {
 #pragma unroll
-      for (int i = 0; i < kD / 8; ++i) {
+      for (int i = 0; i < kDO / 8; ++i) {
+        if (kDP != kD && i * 8 >= kD) continue;  // padding (kDP != kD only with kSplits 1: c0 = 0)
         const int64_t off = int64_t(key) * kv_stride + i * 8 + 2 * (lane & 3);
         *reinterpret_cast<uint32_t*>(gdK + off) =
             pack_bf16(acc_dk[i][2 * r] * p.softmax_scale, acc_dk[i][2 * r + 1] * p.softmax_scale);
@@ -863,7 +956,7 @@ void launch_backward_main(const AttentionBackwardParams& bp, cudaStream_t stream
   SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   const AttentionForwardParams& p = bp.fwd;
   const dim3 grid(unsigned((p.max_seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN), unsigned(p.num_seqs),
-                  unsigned(p.heads_kv));
+                  unsigned(p.heads_kv * Cfg::kColSplits));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(bp);
   SLIME_CUDA_CHECK_LAUNCH();
 }
@@ -878,7 +971,7 @@ void backward_launch(const AttentionBackwardParams& bp, cudaStream_t stream) {
   if (n > 0) {
     SLIME_CUDA_CHECK(cudaMemsetAsync(bp.workspace, 0, std::size_t(n) * sizeof(float), stream));
     constexpr int kThreads = 256;
-    const int64_t blocks = (rows * (kD / 8) + kThreads - 1) / kThreads;
+    const int64_t blocks = (rows * preprocess_lanes(kD) + kThreads - 1) / kThreads;
     attention_bwd_preprocess_kernel<kD><<<unsigned(blocks), kThreads, 0, stream>>>(
         static_cast<const bf16*>(p.o), static_cast<const bf16*>(bp.d_o), bp.workspace + n, rows);
     SLIME_CUDA_CHECK_LAUNCH();

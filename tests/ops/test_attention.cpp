@@ -891,12 +891,12 @@ void emulated_backward(const cuda::AttentionBackwardParams& bp) {
   const cuda::AttentionForwardParams& p = bp.fwd;
   const int64_t rows = int64_t(p.tokens_q) * p.heads_q, n = rows * kD;
   std::memset(bp.workspace, 0, std::size_t(n) * sizeof(float));
-  emu::launch({unsigned((rows * (kD / 8) + 255) / 256), 1, 1}, 256, 0, [&] {
+  emu::launch({unsigned((rows * ai::preprocess_lanes(kD) + 255) / 256), 1, 1}, 256, 0, [&] {
     ai::attention_bwd_preprocess_kernel<kD>(static_cast<const ai::bf16*>(p.o), static_cast<const ai::bf16*>(bp.d_o),
                                             bp.workspace + n, rows);
   });
   const emu::Dim3 g{unsigned((p.max_seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN), unsigned(p.num_seqs),
-                    unsigned(p.heads_kv)};
+                    unsigned(p.heads_kv * Cfg::kColSplits)};
   if (p.options.causal) {
     emu::launch(g, Cfg::kThreads, Cfg::kSmemBytes, [&] { ai::attention_bwd_kernel<Cfg, CausalMask>(bp); });
   } else {
@@ -1016,5 +1016,28 @@ TEST_CASE("attention CUDA kernels for head_dim 64, emulated on the CPU, match th
 
 TEST_CASE("attention CUDA kernels for head_dim 128, emulated on the CPU, match the reference", "[ops][attention]") {
   emulated_cases<128>();
+}
+
+// The other head dims: 32 (the shapes of 64), 72 (tiles of 80, zero-filled
+// columns), 80 (dQ columns split 3 + 2 chunks), 96, 256 (two CTAs per key
+// block, Q from shared memory in the forward).
+TEST_CASE("attention CUDA kernels for head_dim 32, emulated on the CPU, match the reference", "[ops][attention]") {
+  emulated_cases<32>();
+}
+
+TEST_CASE("attention CUDA kernels for head_dim 72, emulated on the CPU, match the reference", "[ops][attention]") {
+  emulated_cases<72>();
+}
+
+TEST_CASE("attention CUDA kernels for head_dim 80, emulated on the CPU, match the reference", "[ops][attention]") {
+  emulated_cases<80>();
+}
+
+TEST_CASE("attention CUDA kernels for head_dim 96, emulated on the CPU, match the reference", "[ops][attention]") {
+  emulated_cases<96>();
+}
+
+TEST_CASE("attention CUDA kernels for head_dim 256, emulated on the CPU, match the reference", "[ops][attention]") {
+  emulated_cases<256>();
 }
 #endif  // SLIME_HAS_CUDA && __linux__

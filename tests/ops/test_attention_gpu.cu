@@ -1,7 +1,9 @@
-// Attention on CUDA (bf16, head_dim 64 and 128) against the CPU reference run
-// in f32 on the same bf16-rounded inputs, on fresh random inputs with odd,
-// packed sequence lengths; outputs and workspace poisoned (0xff = NaN) before
-// every call so that an unwritten element fails the comparison.
+// Attention on CUDA (bf16, head_dim 32, 64, 72, 80, 96, 128 and 256) against
+// the CPU reference run in f32 on the same bf16-rounded inputs, on fresh random
+// inputs with odd, packed sequence lengths; outputs and workspace poisoned
+// (0xff = NaN) before every call so that an unwritten element fails the
+// comparison, and followed by a poisoned guard band that must stay untouched
+// (a write past the end, e.g. of a padding column, fails).
 //
 // Tolerances, relative error ||gpu - ref|| / ||ref||:
 //   o <= 1e-2: q k^T is exact in both (bf16 products, fp32 sums); the kernel
@@ -16,6 +18,7 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -103,7 +106,71 @@ std::vector<Case> cases() {
   o.causal = false;
   o.softmax_scale = 0.05f;
   c.push_back({"full, scale 0.05, MHA", {333, 0, 45}, {200, 31, 0}, 2, 2, o});
+  o = AttentionOptions{};
+  o.align = CausalAlign::bottom_right;  // decode against a KV cache: the query is the last position
+  c.push_back(
+      {"causal bottom-right, one query per sequence against a cache", {1, 1, 1, 2}, {300, 1, 577, 64}, 8, 2, o});
   return c;
+}
+
+// A tensor of `shape` at the start of a buffer kGuard elements longer, all of
+// it poisoned (0xff bytes): a write past the tensor's end shows in the tail.
+constexpr int64_t kGuard = 256;
+struct Guarded {
+  Tensor base, t;
+  Guarded(const Shape& shape, DType dt, Device dev) : base(Tensor::empty({shape.numel() + kGuard}, dt, dev)) {
+    base.fill_bytes_(0xff);
+    t = base.view(0, shape);
+  }
+  bool tail_intact() const {
+    const Tensor tail = base.view(t.numel(), {kGuard}).to(Device::cpu());
+    const auto* b = static_cast<const uint8_t*>(tail.data_ptr());
+    return std::all_of(b, b + tail.nbytes(), [](uint8_t x) { return x == 0xff; });
+  }
+};
+
+// Forward and backward of case `c` at head dim d on the GPU against the CPU
+// reference, inputs from `seed`.
+void check_case(const Case& c, int64_t d, uint64_t seed, Device dev) {
+  const std::vector<int32_t> cu_q = prefix(c.lens_q), cu_k = prefix(c.lens_k);
+  const int64_t B = int64_t(c.lens_q.size()), T = cu_q.back(), Tk = cu_k.back();
+  int64_t max_q = 0, max_k = 0;
+  for (int32_t l : c.lens_q) max_q = std::max<int64_t>(max_q, l);
+  for (int32_t l : c.lens_k) max_k = std::max<int64_t>(max_k, l);
+  if (c.extra_max < 0) {
+    max_q = max_k = -1;
+  } else {
+    max_q += c.extra_max;
+    max_k += c.extra_max;
+  }
+  const Tensor q = random_bf16({T, c.hq, d}, seed, dev);
+  const Tensor k = random_bf16({Tk, c.hkv, d}, seed + 1, dev);
+  const Tensor v = random_bf16({Tk, c.hkv, d}, seed + 2, dev);
+  const Tensor d_o = random_bf16({T, c.hq, d}, seed + 3, dev);
+  const Tensor tcq = Tensor::from_vector(cu_q, {B + 1}, dev);
+  const Tensor tck = Tensor::from_vector(cu_k, {B + 1}, dev);
+  const Guarded o({T, c.hq, d}, DType::bf16, dev), lse({T, c.hq}, DType::f32, dev);
+  const Guarded dq(q.shape(), DType::bf16, dev), dk(k.shape(), DType::bf16, dev), dv(k.shape(), DType::bf16, dev);
+  const Guarded ws({attention_backward_workspace_elems(q)}, DType::f32, dev);
+
+  attention_forward(q, k, v, tcq, tck, max_q, max_k, o.t, lse.t, c.opt);
+  attention_backward(q, k, v, o.t, lse.t, d_o, tcq, tck, max_q, max_k, dq.t, dk.t, dv.t, c.opt, ws.t);
+
+  const std::vector<float> hq = host_floats(q), hk = host_floats(k), hv = host_floats(v), hdo = host_floats(d_o);
+  const std::vector<float> go = host_floats(o.t), glse = host_floats(lse.t);
+  std::vector<float> ro(hq.size()), rlse(glse.size());
+  cpu::attention_forward(hq.data(), hk.data(), hv.data(), cu_q.data(), cu_k.data(), B, c.hq, c.hkv, d, c.opt, ro.data(),
+                         rlse.data());
+  CHECK(rel_err(go, ro) <= 1e-2);
+  CHECK(lse_err(glse, rlse) <= 1e-3);
+
+  std::vector<float> rdq(hq.size()), rdk(hk.size()), rdv(hv.size());
+  cpu::attention_backward(hq.data(), hk.data(), hv.data(), go.data(), glse.data(), hdo.data(), cu_q.data(), cu_k.data(),
+                          B, c.hq, c.hkv, d, c.opt, rdq.data(), rdk.data(), rdv.data());
+  CHECK(rel_err(host_floats(dq.t), rdq) <= 2e-2);
+  CHECK(rel_err(host_floats(dk.t), rdk) <= 2e-2);
+  CHECK(rel_err(host_floats(dv.t), rdv) <= 2e-2);
+  for (const Guarded* g : {&o, &lse, &dq, &dk, &dv, &ws}) CHECK(g->tail_intact());
 }
 
 }  // namespace
@@ -116,46 +183,23 @@ TEST_CASE("attention on CUDA matches the CPU reference", "[ops][attention][gpu]"
     for (const Case& c : cases()) {
       INFO("head_dim " << d << ", " << c.name);
       seed += 10;
-      const std::vector<int32_t> cu_q = prefix(c.lens_q), cu_k = prefix(c.lens_k);
-      const int64_t B = int64_t(c.lens_q.size()), T = cu_q.back(), Tk = cu_k.back();
-      int64_t max_q = 0, max_k = 0;
-      for (int32_t l : c.lens_q) max_q = std::max<int64_t>(max_q, l);
-      for (int32_t l : c.lens_k) max_k = std::max<int64_t>(max_k, l);
-      if (c.extra_max < 0) {
-        max_q = max_k = -1;
-      } else {
-        max_q += c.extra_max;
-        max_k += c.extra_max;
-      }
-      const Tensor q = random_bf16({T, c.hq, d}, seed, dev);
-      const Tensor k = random_bf16({Tk, c.hkv, d}, seed + 1, dev);
-      const Tensor v = random_bf16({Tk, c.hkv, d}, seed + 2, dev);
-      const Tensor d_o = random_bf16({T, c.hq, d}, seed + 3, dev);
-      const Tensor tcq = Tensor::from_vector(cu_q, {B + 1}, dev);
-      const Tensor tck = Tensor::from_vector(cu_k, {B + 1}, dev);
-      Tensor o = Tensor::empty({T, c.hq, d}, DType::bf16, dev), lse = Tensor::empty({T, c.hq}, DType::f32, dev);
-      Tensor dq = Tensor::empty(q.shape(), DType::bf16, dev);
-      Tensor dk = Tensor::empty(k.shape(), DType::bf16, dev), dv = Tensor::empty(k.shape(), DType::bf16, dev);
-      Tensor ws = Tensor::empty({attention_backward_workspace_elems(q)}, DType::f32, dev);
-      for (Tensor* t : {&o, &lse, &dq, &dk, &dv, &ws}) t->fill_bytes_(0xff);
+      check_case(c, d, seed, dev);
+    }
+  }
+}
 
-      attention_forward(q, k, v, tcq, tck, max_q, max_k, o, lse, c.opt);
-      attention_backward(q, k, v, o, lse, d_o, tcq, tck, max_q, max_k, dq, dk, dv, c.opt, ws);
-
-      const std::vector<float> hq = host_floats(q), hk = host_floats(k), hv = host_floats(v), hdo = host_floats(d_o);
-      const std::vector<float> go = host_floats(o), glse = host_floats(lse);
-      std::vector<float> ro(hq.size()), rlse(glse.size());
-      cpu::attention_forward(hq.data(), hk.data(), hv.data(), cu_q.data(), cu_k.data(), B, c.hq, c.hkv, d, c.opt,
-                             ro.data(), rlse.data());
-      CHECK(rel_err(go, ro) <= 1e-2);
-      CHECK(lse_err(glse, rlse) <= 1e-3);
-
-      std::vector<float> rdq(hq.size()), rdk(hk.size()), rdv(hv.size());
-      cpu::attention_backward(hq.data(), hk.data(), hv.data(), go.data(), glse.data(), hdo.data(), cu_q.data(),
-                              cu_k.data(), B, c.hq, c.hkv, d, c.opt, rdq.data(), rdk.data(), rdv.data());
-      CHECK(rel_err(host_floats(dq), rdq) <= 2e-2);
-      CHECK(rel_err(host_floats(dk), rdk) <= 2e-2);
-      CHECK(rel_err(host_floats(dv), rdv) <= 2e-2);
+// 32 (the shapes of 64), 72 (tiles of 80, columns past 72 zero-filled), 80
+// (dQ columns split unevenly over the warps), 96, 256 (dK, dV, dQ columns over
+// two CTAs; Q from shared memory in the forward).
+TEST_CASE("attention on CUDA matches the CPU reference at head_dim 32, 72, 80, 96 and 256", "[ops][attention][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device dev = Device::cuda(0);
+  uint64_t seed = 5000;
+  for (int64_t d : {32, 72, 80, 96, 256}) {
+    for (const Case& c : cases()) {
+      INFO("head_dim " << d << ", " << c.name);
+      seed += 10;
+      check_case(c, d, seed, dev);
     }
   }
 }
@@ -166,31 +210,34 @@ TEST_CASE("attention on CUDA: o, lse, dk and dv are bitwise run-to-run determini
   const std::vector<int32_t> cu = prefix({300, 1, 555});
   const Tensor tcu = Tensor::from_vector(cu, {4}, dev);
   const int64_t T = cu.back();
-  const Tensor q = random_bf16({T, 8, 128}, 7, dev), k = random_bf16({T, 2, 128}, 8, dev);
-  const Tensor v = random_bf16({T, 2, 128}, 9, dev), d_o = random_bf16({T, 8, 128}, 10, dev);
-  auto run = [&](std::vector<Tensor>& out) {
-    out = {Tensor::empty(q.shape(), DType::bf16, dev), Tensor::empty({T, 8}, DType::f32, dev),
-           Tensor::empty(q.shape(), DType::bf16, dev), Tensor::empty(k.shape(), DType::bf16, dev),
-           Tensor::empty(k.shape(), DType::bf16, dev)};
-    for (Tensor& t : out) t.fill_bytes_(0xff);
-    attention_forward(q, k, v, tcu, tcu, 555, 555, out[0], out[1]);
-    attention_backward(q, k, v, out[0], out[1], d_o, tcu, tcu, 555, 555, out[2], out[3], out[4]);
-  };
-  std::vector<Tensor> a, b;
-  run(a);
-  run(b);
-  auto bytes = [](const Tensor& t) {
-    std::vector<uint8_t> x(t.nbytes());
-    const Tensor h = t.to(Device::cpu());
-    std::memcpy(x.data(), h.data_ptr(), x.size());
-    return x;
-  };
-  CHECK(bytes(a[0]) == bytes(b[0]));  // o
-  CHECK(bytes(a[1]) == bytes(b[1]));  // lse
-  CHECK(bytes(a[3]) == bytes(b[3]));  // dk
-  CHECK(bytes(a[4]) == bytes(b[4]));  // dv
-  // dq sums key blocks with fp32 atomics: equal up to rounding only.
-  CHECK(rel_err(host_floats(a[2]), host_floats(b[2])) <= 1e-2);
+  for (int64_t d : {128, 32, 72, 80, 96, 256}) {
+    INFO("head_dim " << d);
+    const Tensor q = random_bf16({T, 8, d}, 7, dev), k = random_bf16({T, 2, d}, 8, dev);
+    const Tensor v = random_bf16({T, 2, d}, 9, dev), d_o = random_bf16({T, 8, d}, 10, dev);
+    auto run = [&](std::vector<Tensor>& out) {
+      out = {Tensor::empty(q.shape(), DType::bf16, dev), Tensor::empty({T, 8}, DType::f32, dev),
+             Tensor::empty(q.shape(), DType::bf16, dev), Tensor::empty(k.shape(), DType::bf16, dev),
+             Tensor::empty(k.shape(), DType::bf16, dev)};
+      for (Tensor& t : out) t.fill_bytes_(0xff);
+      attention_forward(q, k, v, tcu, tcu, 555, 555, out[0], out[1]);
+      attention_backward(q, k, v, out[0], out[1], d_o, tcu, tcu, 555, 555, out[2], out[3], out[4]);
+    };
+    std::vector<Tensor> a, b;
+    run(a);
+    run(b);
+    auto bytes = [](const Tensor& t) {
+      std::vector<uint8_t> x(t.nbytes());
+      const Tensor h = t.to(Device::cpu());
+      std::memcpy(x.data(), h.data_ptr(), x.size());
+      return x;
+    };
+    CHECK(bytes(a[0]) == bytes(b[0]));  // o
+    CHECK(bytes(a[1]) == bytes(b[1]));  // lse
+    CHECK(bytes(a[3]) == bytes(b[3]));  // dk
+    CHECK(bytes(a[4]) == bytes(b[4]));  // dv
+    // dq sums key blocks with fp32 atomics: equal up to rounding only.
+    CHECK(rel_err(host_floats(a[2]), host_floats(b[2])) <= 1e-2);
+  }
 }
 
 TEST_CASE("merge_attention_partials on CUDA matches the CPU", "[ops][attention][gpu]") {
@@ -243,7 +290,9 @@ TEST_CASE("attention on CUDA rejects what the kernels do not support", "[ops][at
     attention_forward(q, q, q, cu, cu, 9, 9, o, lse);
   };
   CHECK_NOTHROW(run(64, DType::bf16, 0));
-  CHECK_THROWS_WITH(run(96, DType::bf16, 0), ContainsSubstring("supports head_dim 64 and 128, got 96"));
+  CHECK_NOTHROW(run(72, DType::bf16, 0));
+  CHECK_THROWS_WITH(run(100, DType::bf16, 0),
+                    ContainsSubstring("supports head_dim 32, 64, 72, 80, 96, 128 and 256, got 100"));
   CHECK_THROWS_WITH(run(64, DType::f32, 0), ContainsSubstring("needs bf16"));
   CHECK_THROWS_WITH(run(64, DType::bf16, 1), ContainsSubstring("16-byte aligned"));
 }

@@ -22,8 +22,9 @@
 // merge_attention_partials of the (o, lse) pairs.
 //
 // Devices and dtypes: CPU f32 or bf16, any head_dim (the reference, fp32
-// accumulation). CUDA bf16, head_dim 64 or 128, sm_90a (mma.sync tensor-core
-// kernels, src/ops/attention*.cu).
+// accumulation). CUDA bf16, head_dim 32, 64, 72, 80, 96, 128 or 256
+// (cuda::visit_head_dim), sm_90a (mma.sync tensor-core kernels,
+// src/ops/attention*.cu).
 //
 // max_seqlen_q / max_seqlen_k: an upper bound of the query / key lengths (the
 // packer knows them). On CUDA the grid is sized by them and nothing reads

@@ -50,18 +50,30 @@ inline int64_t attention_backward_workspace_elems(int64_t tokens_q, int64_t head
 }
 
 // Runtime head_dim -> compile-time constant: the one place that says which
-// head dims the kernels are instantiated for.
+// head dims the kernels are instantiated for. 32, 64, 80, 96, 128 and 256 run
+// at their own size; 72 (Qwen3-VL's vision tower) runs in tiles of 80 with the
+// columns past 72 zero-filled (src/ops/attention_kernels.cuh).
 template <class F>
 decltype(auto) visit_head_dim(int64_t head_dim, F&& f) {
   switch (head_dim) {
+    case 32:
+      return f(std::integral_constant<int, 32>{});
     case 64:
       return f(std::integral_constant<int, 64>{});
+    case 72:
+      return f(std::integral_constant<int, 72>{});
+    case 80:
+      return f(std::integral_constant<int, 80>{});
+    case 96:
+      return f(std::integral_constant<int, 96>{});
     case 128:
       return f(std::integral_constant<int, 128>{});
+    case 256:
+      return f(std::integral_constant<int, 256>{});
     default:
       break;
   }
-  SLIME_FAIL("attention on CUDA supports head_dim 64 and 128, got ", head_dim);
+  SLIME_FAIL("attention on CUDA supports head_dim 32, 64, 72, 80, 96, 128 and 256, got ", head_dim);
 }
 
 // Dispatch on head_dim (visit_head_dim) and mask (options.causal).

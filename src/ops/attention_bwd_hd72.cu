@@ -1,0 +1,7 @@
+// Attention backward kernels for head_dim 72 (causal and full masks), tiles at 80
+// with the columns past 72 zero-filled.
+#include "attention_kernels.cuh"
+
+namespace slime::ops::cuda::detail {
+template void attention_backward_launch<72>(const AttentionBackwardParams& p, StreamHandle stream);
+}  // namespace slime::ops::cuda::detail

@@ -1,0 +1,6 @@
+// Attention forward kernels for head_dim 32 (causal and full masks).
+#include "attention_kernels.cuh"
+
+namespace slime::ops::cuda::detail {
+template void attention_forward_launch<32>(const AttentionForwardParams& p, StreamHandle stream);
+}  // namespace slime::ops::cuda::detail
