@@ -37,7 +37,7 @@
 // (nn/qwen3_vl.hpp) runs the vision tower and this model as one.
 //
 // Dtypes: f32 weights and activations (the CPU reference) or bf16 (the GPU
-// model; CUDA attention is bf16 only, head_dim 64 or 128); gradients fp32.
+// model; CUDA attention is bf16 only, for the head dims ops/attention.hpp lists); gradients fp32.
 #pragma once
 
 #include <cmath>
@@ -115,11 +115,14 @@ class Qwen3Model {
     const std::string where = config.source.empty() ? std::string("Qwen3Model") : "Qwen3Model('" + config.source + "')";
     detail::check_module_options(opt, where);
     if (opt.device.is_cuda()) {
-      // ops/attention.hpp: the CUDA kernels are bf16 with head_dim 64 or 128.
+      // ops/attention.hpp: the CUDA kernels are bf16, for the head dims cuda::visit_head_dim lists.
       SLIME_CHECK(opt.dtype == DType::bf16, where, ": a model on ", opt.device,
                   " must be bf16 (the CUDA attention kernels are bf16 only), got ", dtype_name(opt.dtype));
-      SLIME_CHECK(config_.head_dim == 64 || config_.head_dim == 128, where, ": head_dim = ", config_.head_dim,
-                  " is not supported on CUDA (the attention kernels support 64 and 128)");
+      try {
+        ops::check_attention_head_dim(opt.device, config_.head_dim);
+      } catch (const Error& e) {
+        SLIME_FAIL(where, ": ", e.message());
+      }
     }
     AttentionConfig attn;
     attn.hidden_size = config_.hidden_size;

@@ -33,7 +33,7 @@
 // (and on the GPU the grouping): 32 bytes per patch (48 with the grouping).
 //
 // Devices and dtypes: f32 (the CPU reference) or bf16; CUDA attention needs
-// bf16 and head_dim 64 or 128 (checked at construction).
+// bf16 and a head_dim ops/attention.hpp lists (checked at construction).
 #pragma once
 
 #include <algorithm>
@@ -411,8 +411,11 @@ class Qwen3VLVisionModel {
     if (opt.device.is_cuda()) {
       SLIME_CHECK(opt.dtype == DType::bf16, where, ": a tower on ", opt.device,
                   " must be bf16 (the CUDA attention kernels are bf16 only), got ", dtype_name(opt.dtype));
-      SLIME_CHECK(config_.head_dim() == 64 || config_.head_dim() == 128, where, ": head_dim = ", config_.head_dim(),
-                  " is not supported on CUDA (the attention kernels support 64 and 128)");
+      try {
+        ops::check_attention_head_dim(opt.device, config_.head_dim());
+      } catch (const Error& e) {
+        SLIME_FAIL(where, ": ", e.message());
+      }
     }
     patch_embed_ = LinearWithBias(prefix_ + ".patch_embed.proj", config_.patch_dim(), config_.hidden_size, opt);
     pos_embed_.name = prefix_ + ".pos_embed.weight";

@@ -65,6 +65,15 @@
 
 namespace slime::ops {
 
+// Throws unless attention on `device` runs head_dim (any on the CPU; on CUDA
+// the instantiated ones, cuda::visit_head_dim): for models to check at
+// construction rather than at their first forward.
+inline void check_attention_head_dim([[maybe_unused]] Device device, [[maybe_unused]] int64_t head_dim) {
+#if SLIME_HAS_CUDA
+  if (device.is_cuda()) cuda::visit_head_dim(head_dim, [](auto) {});
+#endif
+}
+
 namespace detail {
 
 using NamedTensor = std::pair<const Tensor*, const char*>;  // for checks over several arguments
