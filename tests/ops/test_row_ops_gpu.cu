@@ -102,6 +102,19 @@ double rel_err_increment(const Tensor& got, const Tensor& want, const Tensor& ba
   return rel_err(g, w);
 }
 
+// max over columns of |got - want| / (|base| + sum over rows |dy|): the error
+// of an accumulated column sum against the scale its f32 rounding has.
+double accumulate_err(const Tensor& got, const Tensor& want, const Tensor& base, const Tensor& dy) {
+  const std::vector<double> g = to_double(got), w = to_double(want), b = to_double(base), d = to_double(dy);
+  const std::size_t n = g.size();
+  std::vector<double> scale(n);
+  for (std::size_t i = 0; i < n; ++i) scale[i] = std::abs(b[i]);
+  for (std::size_t k = 0; k < d.size(); ++k) scale[k % n] += std::abs(d[k]);
+  double worst = 0;
+  for (std::size_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(g[i] - w[i]) / std::max(scale[i], 1e-30));
+  return worst;
+}
+
 bool same_bits(const Tensor& a, const Tensor& b) {
   const Tensor ha = a.to(Device::cpu()), hb = b.to(Device::cpu());
   return ha.nbytes() == hb.nbytes() && std::memcmp(ha.data_ptr(), hb.data_ptr(), ha.nbytes()) == 0;
@@ -211,7 +224,11 @@ TEST_CASE("bias_backward on the GPU matches the CPU, written or accumulated, and
           Tensor db = accumulate ? db0.to(gpu()) : poisoned({n}, DType::f32, gpu());
           ops::bias_backward(dyg, db, accumulate, ws);
           if (accumulate) {
-            CHECK(rel_err_increment(db, want, db0) <= kTolF32);
+            // Both sides round db0 + sum to f32 once: an ulp of the result,
+            // which can be large next to a small increment (n = 1 with
+            // cancelling rows measured 2.9e-5 of it on the H200). So the
+            // error is taken against each column's scale |db0| + sum |dy|.
+            CHECK(accumulate_err(db, want, db0, dy) <= kTolF32);
           } else {
             CHECK(rel_err(db, want) <= kTolF32);
           }
