@@ -195,7 +195,7 @@ std::vector<std::pair<std::string, std::vector<double>>> values_of(nn::Qwen3VLMo
 
 }  // namespace
 
-TEST_CASE("Qwen3-VL save_hf_vl -> load_hf_vl round trip (dense and MoE); the hub's transposed expert layout loads",
+TEST_CASE("Qwen3-VL save_hf_vl -> load_hf_vl round trip (dense and MoE), the hub's transposed expert layout loads",
           "[nn][vl][io]") {
   for (const char* name : {"qwen3_vl_tiny", "qwen3_vl_moe_tiny"}) {
     INFO(name);
