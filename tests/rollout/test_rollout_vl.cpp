@@ -12,11 +12,14 @@
 #include <map>
 #include <vector>
 
+#include "rollout_test_util.hpp"
 #include "slime/nn/qwen3_vl.hpp"
 #include "slime/rollout/engine.hpp"
 
 using namespace slime;
 using Catch::Matchers::ContainsSubstring;
+using rollout_test::require_same;
+using rollout_test::same_bits;
 
 namespace {
 
@@ -128,18 +131,6 @@ std::vector<rollout::Request> vl_requests() {
   return rs;
 }
 
-bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
-
-void require_same(const std::vector<rollout::Completion>& a, const std::vector<rollout::Completion>& b) {
-  REQUIRE(a.size() == b.size());
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    INFO("request " << i);
-    CHECK(a[i].finish == b[i].finish);
-    REQUIRE(a[i].tokens == b[i].tokens);
-    for (std::size_t j = 0; j < a[i].logprobs.size(); ++j) CHECK(same_bits(a[i].logprobs[j], b[i].logprobs[j]));
-  }
-}
-
 // The trainer's recompute: every prompt + completion (the last token is
 // never an input) with its images in one make_vl_batch, Qwen3VLModel::forward,
 // token_logprobs at each request's temperature (0: 1); every engine logprob
@@ -160,12 +151,7 @@ int64_t check_on_policy(nn::Qwen3VLModel& model, const std::vector<rollout::Requ
   const nn::VLBatch batch = nn::make_vl_batch(seqs, model.config(), Device::cpu(), DType::f32);
   nn::Qwen3VLModel::Context ctx;
   const Tensor hidden = model.forward(batch, ctx);
-  std::vector<int32_t> targets;
-  for (std::size_t i = 0; i < seqs.size(); ++i) {
-    std::vector<int32_t> full = requests[i].prompt;
-    full.insert(full.end(), out[i].tokens.begin(), out[i].tokens.end());
-    targets.insert(targets.end(), full.begin() + 1, full.end());
-  }
+  const std::vector<int32_t> targets = rollout_test::next_token_targets(requests, out);
   const Tensor target_tensor = Tensor::from_vector(targets, {int64_t(targets.size())});
   std::map<float, std::vector<float>> by_temperature;
   int64_t compared = 0;
@@ -287,8 +273,8 @@ TEST_CASE("VL engine: bad image requests fail alone with a clear reason", "[roll
   rollout::Request no_pixels = good[2];
   no_pixels.pixel_values = Tensor{};
 
-  const std::vector<rollout::Request> mixed = {runs,  good[0], length,       no_grids,  good[1],
-                                               rows,  merge,   pixels_only,  no_pixels, good[2]};
+  const std::vector<rollout::Request> mixed = {runs, good[0], length,      no_grids,  good[1],
+                                               rows, merge,   pixels_only, no_pixels, good[2]};
   const auto out = engine.generate(mixed);
   for (std::size_t i : {0, 2, 3, 5, 6, 7, 8}) {
     INFO("request " << i);

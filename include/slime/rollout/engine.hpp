@@ -112,9 +112,7 @@ class Engine {
  public:
   // Generates with `model` (the engine's own weights; weight sync writes into
   // them). The model must outlive the engine.
-  Engine(nn::Qwen3Model& model, EngineConfig cfg = {}) : model_(&model), cfg_(cfg) {
-    init_config();
-  }
+  Engine(nn::Qwen3Model& model, EngineConfig cfg = {}) : model_(&model), cfg_(cfg) { init_config(); }
 
   // Generates with a Qwen3-VL model: its language model as above, its vision
   // tower on the requests' images. The model must outlive the engine.
@@ -367,15 +365,15 @@ class Engine {
     const Tensor cu_k = next(lay.cu_k.size());
     const Tensor write_rows = next(lay.write_rows.size());
     const Tensor last_index = next(last_rows.size());
-    const nn::VisualEmbeds visual =
-        with_images.empty() ? nn::VisualEmbeds{} : encode_images(requests, with_images, next(image_rows.size()), stream);
+    const nn::VisualEmbeds visual = with_images.empty()
+                                        ? nn::VisualEmbeds{}
+                                        : encode_images(requests, with_images, next(image_rows.size()), stream);
 
     // The model's own layers, their attention over the arena (the new keys
     // and values are written into it).
     nn::Qwen3Model::Context ctx;
     nn::NoHooks no_hooks;
-    const Tensor hidden =
-        model_->forward(batch, ctx, stream, no_hooks, arena_.source(lay, write_rows, cu_k), visual);
+    const Tensor hidden = model_->forward(batch, ctx, stream, no_hooks, arena_.source(lay, write_rows, cu_k), visual);
     const Tensor last = Tensor::empty({B, c.hidden_size}, model_->dtype(), dev, stream);
     ops::gather_rows(hidden, last_index, last, stream);
     const Tensor logits = model_->logits(last, stream);
