@@ -15,6 +15,7 @@
 #include "rollout_test_util.hpp"
 #include "slime/nn/qwen3_vl.hpp"
 #include "slime/rollout/engine.hpp"
+#include "slime/rollout/weight_sync.hpp"
 
 using namespace slime;
 using Catch::Matchers::ContainsSubstring;
@@ -304,4 +305,25 @@ TEST_CASE("VL engine: bad image requests fail alone with a clear reason", "[roll
   CHECK(t[0].finish == rollout::FinishReason::error);
   CHECK_THAT(t[0].error, ContainsSubstring("the engine's model is text-only"));
   CHECK(t[1].tokens.size() == std::size_t(plain.sampling.max_new_tokens));
+}
+
+TEST_CASE("VL engine: colocated weight sync writes the tower and the language model", "[rollout][vl]") {
+  nn::Qwen3VLModel trainer = vl_model(false, 3), engine_weights = vl_model(false, 8);
+  const auto requests = vl_requests();
+  rollout::Engine reference(trainer, {.max_batch = 3, .max_context = 40, .kv_capacity = 0, .seed = 4});
+  rollout::Engine engine(engine_weights, {.max_batch = 3, .max_context = 40, .kv_capacity = 0, .seed = 4});
+  REQUIRE(rollout::weights_hash(engine) != rollout::weights_hash(trainer));
+  const auto st = rollout::sync_colocated(rollout::ModelWeights{&trainer}, engine, 5, {.verify = true});
+  CHECK(st.hash == rollout::weights_hash(trainer));
+  CHECK(rollout::weights_hash(engine_weights) == rollout::weights_hash(trainer));
+  CHECK(engine.weight_version() == 5);
+  require_same(reference.generate(requests), engine.generate(requests));
+  // A text-only model is no source for a VL engine: the tower is missing.
+  nn::Qwen3Config tc = vl_config(false).text;
+  tc.model_type = "qwen3";
+  tc.mrope_section = {0, 0, 0};
+  nn::Qwen3Model text(tc, {});
+  text.init_random(1, 0.3f);
+  CHECK_THROWS_WITH(rollout::sync_colocated(rollout::ModelWeights{&text}, engine, 6),
+                    ContainsSubstring("has no parameter"));
 }

@@ -47,8 +47,7 @@
 // input: make image_token_id a stop token when the trainer recomputes.
 // Images given to a text-only engine, image-pad runs that do not match the
 // grids, or pixel rows that do not match them fail that request. Weight
-// sync reaches the language model only (model()); the tower is the one the
-// engine was built with.
+// sync writes the tower and the language model (for_each_parameter).
 //
 // Randomness: sample s's token at step i uses Philox word i of the stream keyed
 // by (seed, s.sample_id), so a completion depends on its request, the weights
@@ -121,10 +120,20 @@ class Engine {
   }
 
   const EngineConfig& config() const { return cfg_; }
-  // The language model (weight sync writes into it).
+  // The language model (a text-only engine's whole model).
   nn::Qwen3Model& model() { return *model_; }
   // The Qwen3-VL model, or nullptr for a text-only engine.
   nn::Qwen3VLModel* vl_model() { return vl_; }
+  // Every parameter of the engine's model (a VL engine's: the tower's, then
+  // the language model's), HF names: what weight sync writes into.
+  template <class F>
+  void for_each_parameter(F&& f) {
+    if (vl_ != nullptr) {
+      vl_->for_each_parameter(f);
+    } else {
+      model_->for_each_parameter(f);
+    }
+  }
   int64_t weight_version() const { return weight_version_; }
   void set_weight_version(int64_t v) { weight_version_ = v; }
 
