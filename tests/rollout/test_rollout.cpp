@@ -9,12 +9,15 @@
 #include <cstring>
 #include <vector>
 
+#include "rollout_test_util.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/ops/index_rows.hpp"
 #include "slime/rollout/engine.hpp"
 
 using namespace slime;
 using Catch::Matchers::ContainsSubstring;
+using rollout_test::require_same;
+using rollout_test::same_bits;
 
 namespace {
 
@@ -58,17 +61,6 @@ std::vector<rollout::Request> some_requests() {
   return rs;
 }
 
-bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
-
-void require_same(const std::vector<rollout::Completion>& a, const std::vector<rollout::Completion>& b) {
-  REQUIRE(a.size() == b.size());
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    CHECK(a[i].finish == b[i].finish);
-    REQUIRE(a[i].tokens == b[i].tokens);
-    for (std::size_t j = 0; j < a[i].logprobs.size(); ++j) CHECK(same_bits(a[i].logprobs[j], b[i].logprobs[j]));
-  }
-}
-
 nn::Qwen3Model tiny_moe_model(uint64_t seed = 4) {
   nn::Qwen3Config c = tiny_config();
   c.model_type = "qwen3_moe";
@@ -100,12 +92,7 @@ void check_on_policy(nn::Qwen3Model& model) {
     nn::PackedBatch batch = nn::make_packed_batch(seqs);
     nn::Qwen3Model::Context ctx;
     const Tensor hidden = model.forward(batch, ctx);
-    std::vector<int32_t> targets;
-    for (std::size_t i = 0; i < seqs.size(); ++i) {
-      std::vector<int32_t> full = requests[i].prompt;
-      full.insert(full.end(), out[i].tokens.begin(), out[i].tokens.end());
-      targets.insert(targets.end(), full.begin() + 1, full.end());
-    }
+    const std::vector<int32_t> targets = rollout_test::next_token_targets(requests, out);
     const auto lp =
         model.token_logprobs(hidden, Tensor::from_vector(targets, {int64_t(targets.size())}), temperature).logprobs;
     const auto v = lp.to_vector<float>();

@@ -31,6 +31,24 @@
 // outside the vocabulary, or a sequence longer than the KV arena fails that
 // request (Completion::error says why) and leaves the others running.
 //
+// Qwen3-VL (Engine(nn::Qwen3VLModel&)): a request may carry images (grids
+// and pixel rows, as nn::VLSequence; its prompt holds their expanded
+// image-pad runs). A step's newly admitted prompts' images go through the
+// vision tower in one call (its attention is per image), and the merged
+// embeddings and deepstack features enter the language model's forward as
+// nn::VisualEmbeds at the step's rows of the image-pad tokens. Positions
+// are MRoPE [T, 3] in every step: a prompt's from nn::mrope_positions (a
+// text-only prompt gets t = h = w = its index), a generated token's
+// next_position + k on every axis (transformers' rope delta). So the
+// logprobs equal the trainer's recompute (Qwen3VLModel::forward over
+// make_vl_batch of prompt + completion with the same images) bit for bit on
+// the CPU; test_rollout_vl checks it. A generated image-pad token is
+// embedded as text (no image follows it), which make_vl_batch rejects as an
+// input: make image_token_id a stop token when the trainer recomputes.
+// Images given to a text-only engine, image-pad runs that do not match the
+// grids, or pixel rows that do not match them fail that request. Weight
+// sync writes the tower and the language model (for_each_parameter).
+//
 // Randomness: sample s's token at step i uses Philox word i of the stream keyed
 // by (seed, s.sample_id), so a completion depends on its request, the weights
 // and the seed only, not on the batch it ran in.
@@ -49,6 +67,8 @@
 #include "slime/nn/kv_source.hpp"
 #include "slime/nn/offload.hpp"
 #include "slime/nn/qwen3.hpp"
+#include "slime/nn/qwen3_vl.hpp"
+#include "slime/nn/vl_positions.hpp"
 #include "slime/ops/index_rows.hpp"
 #include "slime/ops/token_logprobs.hpp"
 #include "slime/rollout/cuda/sampling.hpp"
@@ -68,6 +88,12 @@ struct Request {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   uint64_t sample_id = 0;  // keys the sample's random stream; unique per sample of a rollout
+  // Images (Qwen3-VL engines only), as nn::VLSequence: per image its grid_thw
+  // (patches before merging), in the order of its image-pad run in the
+  // prompt; pixel_values f32 [sum t·h·w, patch_dim] on the host, undefined
+  // without images.
+  std::vector<nn::GridThw> image_grids;
+  Tensor pixel_values;
 };
 
 enum class FinishReason : uint8_t { stop, length, error };
@@ -85,18 +111,29 @@ class Engine {
  public:
   // Generates with `model` (the engine's own weights; weight sync writes into
   // them). The model must outlive the engine.
-  Engine(nn::Qwen3Model& model, EngineConfig cfg = {}) : model_(&model), cfg_(cfg) {
-    const auto& c = model.config();
-    if (cfg_.max_context <= 0) cfg_.max_context = c.max_position_embeddings;
-    SLIME_CHECK(cfg_.max_batch >= 1, "Engine: max_batch must be >= 1, got ", cfg_.max_batch);
-    SLIME_CHECK(cfg_.max_context >= 2, "Engine: max_context must be >= 2, got ", cfg_.max_context);
-    if (cfg_.kv_capacity <= 0) cfg_.kv_capacity = cfg_.max_batch * cfg_.max_context;
-    SLIME_CHECK(cfg_.kv_capacity <= int64_t(INT32_MAX), "Engine: kv_capacity ", cfg_.kv_capacity,
-                " rows does not fit the i32 cu_seqlens");
+  Engine(nn::Qwen3Model& model, EngineConfig cfg = {}) : model_(&model), cfg_(cfg) { init_config(); }
+
+  // Generates with a Qwen3-VL model: its language model as above, its vision
+  // tower on the requests' images. The model must outlive the engine.
+  Engine(nn::Qwen3VLModel& model, EngineConfig cfg = {}) : model_(&model.language()), vl_(&model), cfg_(cfg) {
+    init_config();
   }
 
   const EngineConfig& config() const { return cfg_; }
+  // The language model (a text-only engine's whole model).
   nn::Qwen3Model& model() { return *model_; }
+  // The Qwen3-VL model, or nullptr for a text-only engine.
+  nn::Qwen3VLModel* vl_model() { return vl_; }
+  // Every parameter of the engine's model (a VL engine's: the tower's, then
+  // the language model's), HF names: what weight sync writes into.
+  template <class F>
+  void for_each_parameter(F&& f) {
+    if (vl_ != nullptr) {
+      vl_->for_each_parameter(f);
+    } else {
+      model_->for_each_parameter(f);
+    }
+  }
   int64_t weight_version() const { return weight_version_; }
   void set_weight_version(int64_t v) { weight_version_ = v; }
 
@@ -106,9 +143,11 @@ class Engine {
     ensure_arena();
     std::vector<Completion> out(requests.size());
     std::deque<std::size_t> waiting;
+    std::vector<nn::MropePositions> prompt_positions(vl_ != nullptr ? requests.size() : 0);  // VL: per request
     for (std::size_t i = 0; i < requests.size(); ++i) {
       out[i].sample_id = requests[i].sample_id;
-      if (std::string why = invalid_reason(requests[i]); !why.empty()) {
+      nn::MropePositions* positions = vl_ != nullptr ? &prompt_positions[i] : nullptr;
+      if (std::string why = invalid_reason(requests[i], positions); !why.empty()) {
         fail(out[i], why);
       } else {
         waiting.push_back(i);
@@ -116,7 +155,7 @@ class Engine {
     }
     std::vector<Running> running;
     while (!waiting.empty() || !running.empty()) {
-      admit(requests, waiting, running, out);
+      admit(requests, prompt_positions, waiting, running, out);
       if (running.empty()) continue;  // everything left failed to fit
       step(requests, running, out, stream);
       // Finished sequences leave; their regions return to the arena.
@@ -142,9 +181,19 @@ class Engine {
   // the weights back. generate needs the weights on the device.
   void offload(const Stream& stream = {}) {
     release_kv_cache();
-    weights_offload_.offload(*model_, stream);
+    if (vl_ != nullptr) {
+      weights_offload_.offload(*vl_, stream);
+    } else {
+      weights_offload_.offload(*model_, stream);
+    }
   }
-  void onload(const Stream& stream = {}) { weights_offload_.onload(*model_, model_->device(), stream); }
+  void onload(const Stream& stream = {}) {
+    if (vl_ != nullptr) {
+      weights_offload_.onload(*vl_, vl_->device(), stream);
+    } else {
+      weights_offload_.onload(*model_, model_->device(), stream);
+    }
+  }
   bool offloaded() const { return weights_offload_.offloaded(); }
   std::size_t kv_cache_bytes() const { return arena_.nbytes(); }
 
@@ -154,8 +203,23 @@ class Engine {
     int64_t start = 0, capacity = 0;  // arena region (capacity >= prompt + max_new_tokens - 1 rows)
     int64_t cached = 0;               // tokens with keys in the arena
     std::vector<int32_t> pending;     // tokens to run this step
+    // MRoPE of a VL engine: the prompt's (t, h, w) [prompt, 3] until its
+    // prefill ran; then token i of the sequence sits at i + position_delta
+    // on every axis (nn::MropePositions::next_position - prompt length).
+    std::vector<int32_t> prompt_positions;
+    int64_t position_delta = 0;
     bool done = false;
   };
+
+  void init_config() {
+    const auto& c = model_->config();
+    if (cfg_.max_context <= 0) cfg_.max_context = c.max_position_embeddings;
+    SLIME_CHECK(cfg_.max_batch >= 1, "Engine: max_batch must be >= 1, got ", cfg_.max_batch);
+    SLIME_CHECK(cfg_.max_context >= 2, "Engine: max_context must be >= 2, got ", cfg_.max_context);
+    if (cfg_.kv_capacity <= 0) cfg_.kv_capacity = cfg_.max_batch * cfg_.max_context;
+    SLIME_CHECK(cfg_.kv_capacity <= int64_t(INT32_MAX), "Engine: kv_capacity ", cfg_.kv_capacity,
+                " rows does not fit the i32 cu_seqlens");
+  }
 
   void ensure_arena() {
     if (arena_.allocated()) return;
@@ -165,7 +229,10 @@ class Engine {
     alloc_ = RegionAllocator(cfg_.kv_capacity);
   }
 
-  std::string invalid_reason(const Request& r) const {
+  // Why request `r` cannot run (empty: it can). A VL engine also gets the
+  // prompt's MRoPE positions in *positions (which checks the image-pad runs
+  // against the grids).
+  std::string invalid_reason(const Request& r, nn::MropePositions* positions) const {
     const int64_t vocab = model_->config().vocab_size;
     try {
       r.sampling.validate("request " + std::to_string(r.sample_id));
@@ -180,6 +247,30 @@ class Engine {
       if (r.prompt[i] < 0 || r.prompt[i] >= vocab)
         return "prompt token " + std::to_string(i) + " = " + std::to_string(r.prompt[i]) +
                " is outside the vocabulary [0, " + std::to_string(vocab) + ")";
+    const bool pixels = r.pixel_values.defined() && r.pixel_values.numel() > 0;
+    if (vl_ == nullptr) {
+      if (!r.image_grids.empty() || pixels)
+        return "the request has images (" + std::to_string(r.image_grids.size()) +
+               " grids) but the engine's model is text-only (construct the Engine from a Qwen3VLModel)";
+      return {};
+    }
+    // make_vl_batch's rules, for one sequence.
+    const nn::Qwen3VLConfig& c = vl_->config();
+    try {
+      *positions = nn::mrope_positions(r.prompt, r.image_grids, c.image_token_id, c.vision.spatial_merge_size);
+    } catch (const Error& e) {
+      return e.message();
+    }
+    if (r.image_grids.empty()) return pixels ? "the request has pixel rows but no images (image_grids is empty)" : "";
+    int64_t want = 0;
+    for (const nn::GridThw& g : r.image_grids) want += g[0] * g[1] * g[2];
+    const int64_t patch_dim = c.vision.patch_dim();
+    if (!r.pixel_values.defined() || r.pixel_values.dtype() != DType::f32 || !r.pixel_values.device().is_cpu() ||
+        r.pixel_values.shape() != Shape{want, patch_dim})
+      return "pixel_values must be f32 [" + std::to_string(want) + ", " + std::to_string(patch_dim) +
+             "] on the CPU (sum t·h·w of the request's " + std::to_string(r.image_grids.size()) +
+             " image(s), in_channels·temporal·patch²), got " +
+             (r.pixel_values.defined() ? r.pixel_values.str() : std::string("none"));
     return {};
   }
 
@@ -192,8 +283,8 @@ class Engine {
   // Admits waiting requests in order while a slot and an arena region exist.
   // A request larger than the whole arena fails; one that merely does not fit
   // now waits (requests behind it wait too, keeping the order).
-  void admit(const std::vector<Request>& requests, std::deque<std::size_t>& waiting, std::vector<Running>& running,
-             std::vector<Completion>& out) {
+  void admit(const std::vector<Request>& requests, std::vector<nn::MropePositions>& prompt_positions,
+             std::deque<std::size_t>& waiting, std::vector<Running>& running, std::vector<Completion>& out) {
     while (!waiting.empty() && int64_t(running.size()) < cfg_.max_batch) {
       const std::size_t i = waiting.front();
       const Request& r = requests[i];
@@ -214,6 +305,10 @@ class Engine {
       run.start = *start;
       run.capacity = cap;
       run.pending = r.prompt;
+      if (vl_ != nullptr) {
+        run.prompt_positions = std::move(prompt_positions[i].positions);
+        run.position_delta = int64_t(prompt_positions[i].next_position) - int64_t(r.prompt.size());
+      }
       running.push_back(std::move(run));
     }
   }
@@ -226,13 +321,26 @@ class Engine {
     const Device dev = model_->device();
     // The arena layout wants segments in row order; rows of the step follow it.
     std::sort(running.begin(), running.end(), [](const Running& a, const Running& b) { return a.start < b.start; });
+    const bool mrope = c.uses_mrope();  // positions [T, 3], else [T]
     std::vector<ArenaSegment> segs;
-    std::vector<int32_t> tokens, positions, last_rows;
+    std::vector<int32_t> tokens, positions, last_rows, image_rows;
+    std::vector<std::size_t> with_images;  // requests whose prompt (and images) this step prefills
     for (const Running& r : running) {
       segs.push_back({r.start, r.cached, int64_t(r.pending.size())});
-      for (std::size_t j = 0; j < r.pending.size(); ++j) {
-        tokens.push_back(r.pending[j]);
-        positions.push_back(int32_t(r.cached + int64_t(j)));
+      const int64_t row0 = int64_t(tokens.size());
+      tokens.insert(tokens.end(), r.pending.begin(), r.pending.end());
+      if (!r.prompt_positions.empty()) {  // a VL prefill
+        positions.insert(positions.end(), r.prompt_positions.begin(), r.prompt_positions.end());
+        if (!requests[r.request].image_grids.empty()) {
+          with_images.push_back(r.request);
+          for (std::size_t j = 0; j < r.pending.size(); ++j)
+            if (r.pending[j] == vl_->config().image_token_id) image_rows.push_back(int32_t(row0 + int64_t(j)));
+        }
+      } else {
+        for (std::size_t j = 0; j < r.pending.size(); ++j) {
+          const int32_t p = int32_t(r.cached + int64_t(j) + r.position_delta);
+          positions.insert(positions.end(), mrope ? 3u : 1u, p);
+        }
       }
       last_rows.push_back(int32_t(tokens.size() - 1));
     }
@@ -240,11 +348,12 @@ class Engine {
     const int64_t T = int64_t(tokens.size()), B = int64_t(running.size());
     // Every index of the step goes up in one copy (a decode step is bound by
     // the host: each upload costs as much as several kernel launches):
-    // [tokens T | positions T | cu_q B'+1 | cu_k B'+1 | write_rows T | last_rows B].
+    // [tokens T | positions T or 3T | cu_q B'+1 | cu_k B'+1 | write_rows T |
+    //  last_rows B | image_rows N].
     std::vector<int32_t> idx;
-    idx.reserve(std::size_t(3 * T + B) + lay.cu_q.size() + lay.cu_k.size());
+    idx.reserve(std::size_t(2 * T + B) + positions.size() + lay.cu_q.size() + lay.cu_k.size() + image_rows.size());
     for (const std::vector<int32_t>* part : std::initializer_list<const std::vector<int32_t>*>{
-             &tokens, &positions, &lay.cu_q, &lay.cu_k, &lay.write_rows, &last_rows})
+             &tokens, &positions, &lay.cu_q, &lay.cu_k, &lay.write_rows, &last_rows, &image_rows})
       idx.insert(idx.end(), part->begin(), part->end());
     const Tensor uploaded = Tensor::from_vector(idx, {int64_t(idx.size())}, dev, stream);
     int64_t at = 0;
@@ -257,19 +366,23 @@ class Engine {
     // of its region (none in the gaps), at their positions in the sequence.
     nn::PackedBatch batch;
     batch.tokens = next(tokens.size());
-    batch.positions = next(positions.size());
+    batch.positions = uploaded.view(at, mrope ? Shape{T, 3} : Shape{T});
+    at += int64_t(positions.size());
     batch.cu_seqlens_host = lay.cu_q;
     batch.cu_seqlens = next(lay.cu_q.size());
     batch.max_seqlen = lay.max_q;
     const Tensor cu_k = next(lay.cu_k.size());
     const Tensor write_rows = next(lay.write_rows.size());
     const Tensor last_index = next(last_rows.size());
+    const nn::VisualEmbeds visual = with_images.empty()
+                                        ? nn::VisualEmbeds{}
+                                        : encode_images(requests, with_images, next(image_rows.size()), stream);
 
     // The model's own layers, their attention over the arena (the new keys
     // and values are written into it).
     nn::Qwen3Model::Context ctx;
     nn::NoHooks no_hooks;
-    const Tensor hidden = model_->forward(batch, ctx, stream, no_hooks, arena_.source(lay, write_rows, cu_k));
+    const Tensor hidden = model_->forward(batch, ctx, stream, no_hooks, arena_.source(lay, write_rows, cu_k), visual);
     const Tensor last = Tensor::empty({B, c.hidden_size}, model_->dtype(), dev, stream);
     ops::gather_rows(hidden, last_index, last, stream);
     const Tensor logits = model_->logits(last, stream);
@@ -308,6 +421,7 @@ class Engine {
       const Request& req = requests[r.request];
       Completion& done = out[r.request];
       r.cached += int64_t(r.pending.size());
+      r.prompt_positions.clear();
       const int32_t t = sampled[std::size_t(b)];
       done.tokens.push_back(t);
       done.logprobs.push_back(lp[std::size_t(b)]);
@@ -323,6 +437,36 @@ class Engine {
       }
       if (r.done) done.weight_version = weight_version_;
     }
+  }
+
+  // The tower over the images of `prompts` (requests, in the step's row
+  // order) in one call: their pixel rows concatenated in that order, as
+  // make_vl_batch packs them; `rows` i32 [N] are the step's image-pad rows.
+  nn::VisualEmbeds encode_images(const std::vector<Request>& requests, const std::vector<std::size_t>& prompts,
+                                 const Tensor& rows, const Stream& stream) {
+    const int64_t patch_dim = vl_->config().vision.patch_dim();
+    std::vector<nn::GridThw> grids;
+    int64_t patches = 0;
+    for (std::size_t i : prompts) {
+      grids.insert(grids.end(), requests[i].image_grids.begin(), requests[i].image_grids.end());
+      patches += requests[i].pixel_values.size(0);
+    }
+    Tensor pixels = Tensor::empty({patches, patch_dim}, DType::f32);
+    int64_t at = 0;
+    for (std::size_t i : prompts) {
+      const Tensor& p = requests[i].pixel_values;
+      pixels.slice_rows(at, p.size(0)).copy_from(p);
+      at += p.size(0);
+    }
+    if (vl_->dtype() != DType::f32) {
+      Tensor cast = Tensor::empty({patches, patch_dim}, vl_->dtype());
+      ops::cast(pixels, cast);
+      pixels = cast;
+    }
+    if (!vl_->device().is_cpu()) pixels = pixels.to(vl_->device(), stream);
+    nn::Qwen3VLVisionModel::Context ctx;
+    nn::VisionOutput out = vl_->visual().forward(pixels, grids, ctx, stream);
+    return nn::VisualEmbeds{rows, std::move(out.embeds), std::move(out.deepstack)};
   }
 
   // One token per running sequence from logits [B, V] f32, as i32 [B]: on
@@ -369,6 +513,7 @@ class Engine {
   }
 
   nn::Qwen3Model* model_;
+  nn::Qwen3VLModel* vl_ = nullptr;  // a VL engine's model (model_ is its language model)
   EngineConfig cfg_;
   KvArena arena_;
   RegionAllocator alloc_;

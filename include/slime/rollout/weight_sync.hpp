@@ -4,7 +4,7 @@
 // A weight source is anything with
 //   std::vector<WeightMeta> meta();                      names, shapes, dtypes, in order
 //   template <class F> void for_each(F&& f);             f(name, const Tensor& full) in that order
-// (ModelWeights below wraps a Qwen3Model; ShardedWeights a sharded trainer,
+// (ModelWeights below wraps a Qwen3Model or a Qwen3VLModel; ShardedWeights a sharded trainer,
 // gathering one parameter at a time inside for_each, so it never holds the
 // whole model twice).
 //
@@ -84,16 +84,20 @@ inline uint64_t tensor_hash(const Tensor& t, uint64_t h = 0xcbf29ce484222325ull,
   return fnv1a(host.data_ptr(), host.nbytes(), h);
 }
 
-// Hash of every parameter of a model, in its parameter order.
-inline uint64_t weights_hash(nn::Qwen3Model& model, const Stream& stream = {}) {
+// Hash of every parameter of a model (or an Engine's model), in its
+// parameter order.
+template <class Model>
+uint64_t weights_hash(Model& model, const Stream& stream = {}) {
   uint64_t h = 0xcbf29ce484222325ull;
   model.for_each_parameter([&](nn::Parameter& p) { h = tensor_hash(p.value, h, stream); });
   return h;
 }
 
-// A Qwen3Model as a weight source (its parameters, as they are).
+// A model (Qwen3Model, Qwen3VLModel) as a weight source (its parameters, as
+// they are).
+template <class Model = nn::Qwen3Model>
 struct ModelWeights {
-  nn::Qwen3Model* model;
+  Model* model;
   std::vector<WeightMeta> meta() const {
     std::vector<WeightMeta> m;
     model->for_each_parameter([&](nn::Parameter& p) { m.push_back({p.name, p.value.shape(), p.value.dtype()}); });
@@ -143,9 +147,9 @@ struct ShardedWeights {
 
 namespace detail::weight_sync {
 
-inline std::map<std::string, nn::Parameter*> params_by_name(nn::Qwen3Model& model) {
+inline std::map<std::string, nn::Parameter*> params_by_name(Engine& engine) {
   std::map<std::string, nn::Parameter*> m;
-  model.for_each_parameter([&](nn::Parameter& p) { m[p.name] = &p; });
+  engine.for_each_parameter([&](nn::Parameter& p) { m[p.name] = &p; });
   return m;
 }
 
@@ -358,7 +362,7 @@ WeightSyncStats sync_colocated(Source&& source, Engine& engine, int64_t version,
                                const Stream& stream = {}) {
   namespace ws = detail::weight_sync;
   const auto t0 = std::chrono::steady_clock::now();
-  auto params = ws::params_by_name(engine.model());
+  auto params = ws::params_by_name(engine);
   WeightSyncStats st;
   st.version = version;
   std::size_t seen = 0;
@@ -374,7 +378,7 @@ WeightSyncStats sync_colocated(Source&& source, Engine& engine, int64_t version,
               params.size(), " parameters");
   if (cfg.verify) {
     st.hash = h;
-    SLIME_CHECK(weights_hash(engine.model(), stream) == h, "sync_colocated: the engine's weights hash differs");
+    SLIME_CHECK(weights_hash(engine, stream) == h, "sync_colocated: the engine's weights hash differs");
   }
   engine.set_weight_version(version);
   ws::finish(stream, engine.model().device());
@@ -445,7 +449,7 @@ inline WeightSyncStats receive_weights(comm::Comm& comm, int root, Engine& engin
   std::vector<WeightMeta> meta;
   ws::decode(ws::broadcast_string(comm, root, {}, device, stream), version, bucket_bytes, meta);
   const bool verify = ws::broadcast_u64(comm, root, 0, device, stream) != 0;
-  auto params = ws::params_by_name(engine.model());
+  auto params = ws::params_by_name(engine);
   SLIME_CHECK(meta.size() == params.size(), "receive_weights: the sender has ", meta.size(),
               " tensors, the engine's model ", params.size(), " parameters");
   std::vector<nn::Parameter*> targets;
