@@ -44,7 +44,8 @@ int main(int argc, char** argv) {
   app.add_option("--samples-per-prompt", o.samples_per_prompt, "responses per prompt (the GRPO group)")
       ->check(CLI::Range(2, 1024));
   app.add_option("--lr", o.lr, "AdamW learning rate")->check(CLI::Range(0.0, 1.0));
-  app.add_option("--max-grad-norm", o.max_grad_norm, "global gradient-norm clip (0: none)")->check(CLI::Range(0.0, 1e9));
+  app.add_option("--max-grad-norm", o.max_grad_norm, "global gradient-norm clip (0: none)")
+      ->check(CLI::Range(0.0, 1e9));
   app.add_option("--temperature", o.temperature, "sampling temperature")->check(CLI::Range(0.0, 100.0));
   app.add_option("--task", o.task, "colour (name the shapes' colour) or count (how many shapes)")
       ->check(CLI::IsMember({"colour", "count"}));

@@ -21,8 +21,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -111,7 +111,8 @@ class ShapesTask {
     for (int s = 0; s < count; ++s) {
       for (int attempt = 0; attempt < 200; ++attempt) {
         const int64_t r = 2 + int64_t(rng.below(uint32_t(max_r - 1)));
-        const int64_t y = r + int64_t(rng.below(uint32_t(side_ - 2 * r))), x = r + int64_t(rng.below(uint32_t(side_ - 2 * r)));
+        const int64_t y = r + int64_t(rng.below(uint32_t(side_ - 2 * r))),
+                      x = r + int64_t(rng.below(uint32_t(side_ - 2 * r)));
         const bool clear = std::all_of(placed.begin(), placed.end(), [&](const Placed& o) {
           return std::max(std::abs(o.y - y), std::abs(o.x - x)) > o.r + r + 1;
         });
@@ -122,7 +123,8 @@ class ShapesTask {
         for (int64_t dy = -r; dy <= r; ++dy)
           for (int64_t dx = -r; dx <= r; ++dx) {
             if (disc && dy * dy + dx * dx > r * r) continue;
-            for (int c = 0; c < 3; ++c) img.rgb[std::size_t(((y + dy) * side_ + (x + dx)) * 3 + c)] = rgb[std::size_t(c)];
+            for (int c = 0; c < 3; ++c)
+              img.rgb[std::size_t(((y + dy) * side_ + (x + dx)) * 3 + c)] = rgb[std::size_t(c)];
           }
         break;
       }

@@ -37,6 +37,7 @@
 #include "slime/comm/comm.hpp"
 #include "slime/io/metrics_log.hpp"
 #include "slime/io/progress.hpp"
+#include "slime/io/safetensors.hpp"
 #include "slime/nn/qwen3_vl.hpp"
 #include "slime/nn/qwen3_vl_checkpoint.hpp"
 #include "slime/optim/lr_schedule.hpp"
@@ -51,11 +52,11 @@ namespace vl_example {
 namespace fs = std::filesystem;
 
 struct Options {
-  int steps = 60;
+  int steps = 200;
   int ranks = 2;
-  int prompts_per_step = 8;  // over all ranks
+  int prompts_per_step = 16;  // over all ranks
   int samples_per_prompt = 8;
-  double lr = 2e-3;
+  double lr = 5e-4;
   double max_grad_norm = 1.0;
   double temperature = 1.0;
   std::string task = "colour";  // colour | count
@@ -179,23 +180,22 @@ class Trainer {
     Rollout r = rollout(step);
     double reward = 0;
     for (std::size_t s = 0; s < r.responses.size(); ++s) {  // 2. score
-      r.rewards.push_back(float(ShapesTask::reward(r.prompts[s / std::size_t(o_.samples_per_prompt)],
-                                                   r.responses[s].tokens)));
+      r.rewards.push_back(
+          float(ShapesTask::reward(r.prompts[s / std::size_t(o_.samples_per_prompt)], r.responses[s].tokens)));
       reward += r.rewards.back();
     }
     const int64_t N = int64_t(r.responses.size());  // 3. advantages
     const std::vector<int64_t> groups(std::size_t(N / o_.samples_per_prompt), o_.samples_per_prompt);
-    r.advantages =
-        rl::grpo_advantages(Tensor::from_vector(r.rewards, {N}), groups, true).template to_vector<float>();
+    r.advantages = rl::grpo_advantages(Tensor::from_vector(r.rewards, {N}), groups, true).template to_vector<float>();
     const auto [loss, lp_diff] = train(r);  // 4. pack, 5. train
     sync_engine(step + 1);                  // 6. sync
     // 7. log: sums over the ranks.
-    Tensor t = Tensor::from_vector(std::vector<double>{reward, double(N), loss}, {3});
+    Tensor t = Tensor::from_vector(std::vector<float>{float(reward), float(N), float(loss)}, {3}, device_);
     comm_.all_reduce(t, comm::ReduceOp::sum);
-    Tensor d = Tensor::from_vector(std::vector<double>{lp_diff}, {1});
+    Tensor d = Tensor::from_vector(std::vector<float>{float(lp_diff)}, {1}, device_);
     comm_.all_reduce(d, comm::ReduceOp::max);
-    const std::vector<double> v = t.to_vector<double>();
-    StepReport rep{v[0] / v[1], v[2], d.to_vector<double>()[0]};
+    const std::vector<float> v = t.to_vector<float>();
+    StepReport rep{double(v[0]) / double(v[1]), double(v[2]), double(d.to_vector<float>()[0])};
     if (log_) {
       log_->log(step + 1, {{"reward", rep.reward}, {"loss", rep.loss}, {"max_lp_diff", rep.max_lp_diff}});
       progress_->update(step + 1, {{"reward", rep.reward}, {"loss", rep.loss}});
@@ -246,6 +246,7 @@ class Trainer {
       nn::VLSequence q;
       q.tokens = p.tokens;
       q.tokens.insert(q.tokens.end(), c.tokens.begin(), c.tokens.end() - 1);
+      q.prompt_length = int64_t(p.tokens.size());  // a sampled image-pad token is text
       q.grids = {{p.image.grid_thw[0].t, p.image.grid_thw[0].h, p.image.grid_thw[0].w}};
       q.pixel_values = Tensor::from_vector(p.image.pixel_values, {p.image.rows(), p.image.patch_dim});
       const std::size_t len = q.tokens.size(), first = p.tokens.size() - 1;  // the input predicting response token 0
@@ -266,7 +267,7 @@ class Trainer {
     // The loss's normaliser: response tokens and sequences over every rank.
     const Tensor mask_host = Tensor::from_vector(mask, {T}), cu_host = Tensor::from_vector(cu, {S + 1});
     rl::LossNormalizer norm = rl::count_normalizer(mask_host, cu_host);
-    Tensor counts = Tensor::from_vector(std::vector<int64_t>{norm.tokens, norm.sequences}, {2});
+    Tensor counts = Tensor::from_vector(std::vector<int64_t>{norm.tokens, norm.sequences}, {2}, device_);
     comm_.all_reduce(counts, comm::ReduceOp::sum);
     norm = {counts.to_vector<int64_t>()[0], counts.to_vector<int64_t>()[1]};
 
@@ -287,7 +288,8 @@ class Trainer {
     double diff = 0;  // engine vs trainer logprobs of the sampled tokens
     const std::vector<float> lp = fwd.logprobs.to_vector<float>();
     for (int64_t t = 0; t < T; ++t)
-      if (mask[std::size_t(t)]) diff = std::max(diff, double(std::abs(lp[std::size_t(t)] - rollout_lp[std::size_t(t)])));
+      if (mask[std::size_t(t)])
+        diff = std::max(diff, double(std::abs(lp[std::size_t(t)] - rollout_lp[std::size_t(t)])));
     return {res.metrics.loss, diff};
   }
 
@@ -313,8 +315,35 @@ class Trainer {
     });
     if (comm_.rank() == 0) {
       nn::save_hf_vl(full, dir);
+      write_export_check(full, dir / "export_check.safetensors");
       std::cout << "exported the trained model to " << dir.string() << "\n";
     }
+  }
+
+  // What tools/check_vl_export.py compares transformers against: prompt 0
+  // with its answer and EOS, its image, and the exported model's per-token
+  // logprobs (f32 on the CPU; position t scores token t + 1, the last 0).
+  void write_export_check(nn::Qwen3VLModel& full, const fs::path& path) {
+    const ShapesPrompt p = task_.prompt(o_.seed, 0);
+    nn::VLSequence s;
+    s.tokens = p.tokens;
+    s.tokens.push_back(p.answer);
+    s.tokens.push_back(ShapesVocab::kEos);
+    const data::GridTHW& g = p.image.grid_thw[0];
+    s.grids = {{g.t, g.h, g.w}};
+    s.pixel_values = Tensor::from_vector(p.image.pixel_values, {p.image.rows(), p.image.patch_dim});
+    const int64_t L = int64_t(s.tokens.size());
+    std::vector<int32_t> targets(s.tokens.begin() + 1, s.tokens.end());
+    targets.push_back(0);
+    const nn::VLBatch b = nn::make_vl_batch(std::span<const nn::VLSequence>(&s, 1), config_, Device::cpu(), DType::f32);
+    nn::Qwen3VLModel::Context ctx;
+    const Tensor h = full.forward(b, ctx);
+    const Tensor lp = full.token_logprobs(h, Tensor::from_vector(targets, {L})).logprobs;
+    std::vector<int64_t> tokens(s.tokens.begin(), s.tokens.end());
+    io::write_safetensors(path, {{"tokens", Tensor::from_vector(tokens, {L})},
+                                 {"pixel_values", s.pixel_values},
+                                 {"image_grid_thw", Tensor::from_vector(std::vector<int64_t>{g.t, g.h, g.w}, {1, 3})},
+                                 {"logprobs", lp}});
   }
 
   Options o_;

@@ -161,8 +161,7 @@ Result sharded(const nn::Qwen3VLConfig& c, int world) {
     const std::vector<nn::VLSequence> mine = samples_of(w.rank(), c);
     const nn::VLBatch b = nn::make_vl_batch(mine, c, Device::cpu(), DType::f32);
     const std::vector<int32_t> t = targets_of(mine, int32_t(c.text.vocab_size));
-    const double loss =
-        sh.loss_and_backward(b, Tensor::from_vector(t, {int64_t(t.size())}), 1.f, double(total)).loss;
+    const double loss = sh.loss_and_backward(b, Tensor::from_vector(t, {int64_t(t.size())}), 1.f, double(total)).loss;
     // The loss over all ranks' tokens: each rank's share summed.
     Tensor l = Tensor::from_vector(std::vector<float>{float(loss)}, {1});
     w.all_reduce(l, comm::ReduceOp::sum);

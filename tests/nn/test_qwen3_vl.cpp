@@ -10,15 +10,15 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <set>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "nn_test_util.hpp"
-#include "vl_test_util.hpp"
 #include "slime/nn/qwen3_vl.hpp"
 #include "slime/nn/qwen3_vl_checkpoint.hpp"
+#include "vl_test_util.hpp"
 
 using namespace slime;
 using namespace nn_test;
@@ -184,8 +184,7 @@ std::vector<nn::VLSequence> tiny_vl_sequences(const nn::Qwen3VLConfig& c, uint64
   s[1].tokens = {c.vision_start_token_id, img, img, c.vision_end_token_id, 4};
   s[1].grids = {{1, 2, 4}};
   s[2].tokens = {3, 1, 4, 1, 5};
-  for (std::size_t i = 0; i < 2; ++i)
-    s[i].pixel_values = random_tensor({8, c.vision.patch_dim()}, seed + i);
+  for (std::size_t i = 0; i < 2; ++i) s[i].pixel_values = random_tensor({8, c.vision.patch_dim()}, seed + i);
   return s;
 }
 
@@ -208,9 +207,8 @@ TEST_CASE("Qwen3-VL backward through the image features matches finite differenc
     const std::vector<nn::VLSequence> seqs = tiny_vl_sequences(c, 40);
     nn::VLBatch batch = nn::make_vl_batch(seqs, c, Device::cpu(), DType::f32);
     REQUIRE(batch.image_rows.numel() == 4);
-    const Tensor targets = Tensor::from_vector(std::vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
-                                                                    15, 16, 17, 18, 19},
-                                               {19});
+    const Tensor targets = Tensor::from_vector(
+        std::vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19}, {19});
     const auto loss = [&]() {
       nn::Qwen3VLModel::Context ctx;
       const Tensor h = model.forward(batch, ctx);
@@ -243,7 +241,8 @@ TEST_CASE("Qwen3-VL backward through the image features matches finite differenc
       if (p.name.ends_with("embed_tokens.weight")) embed = &p;
     });
     const auto g = embed->grad.to_vector<float>();
-    for (int64_t k = 0; k < c.text.hidden_size; ++k) CHECK(g[std::size_t(c.image_token_id * c.text.hidden_size + k)] == 0.f);
+    for (int64_t k = 0; k < c.text.hidden_size; ++k)
+      CHECK(g[std::size_t(c.image_token_id * c.text.hidden_size + k)] == 0.f);
   }
 }
 
@@ -398,4 +397,25 @@ TEST_CASE("Qwen3-VL bad inputs and configs give clear errors", "[nn][vl]") {
     std::filesystem::copy_file(src / "config.json", dir.path / "config.json");
     CHECK_THROWS_WITH(nn::load_hf_vl(dir.path), ContainsSubstring("layers.2.mlp.experts.down_proj"));
   }
+}
+
+TEST_CASE("make_vl_batch: a completion's image-pad tokens are text (prompt_length)", "[nn][vl]") {
+  const nn::Qwen3VLConfig c = tiny_vl_config(false);
+  std::vector<nn::VLSequence> seqs = tiny_vl_sequences(c, 80);
+  nn::VLSequence& s = seqs[0];  // 9 prompt tokens with a 2-token image at 3..4
+  s.prompt_length = int64_t(s.tokens.size());
+  s.tokens.insert(s.tokens.end(), {c.image_token_id, 7, c.image_token_id});  // sampled
+  const nn::VLBatch b = nn::make_vl_batch(seqs, c, Device::cpu(), DType::f32);
+  const auto rows = b.image_rows.to_vector<int32_t>();
+  REQUIRE(rows.size() == 4);  // 2 of sequence 0's prompt, 2 of sequence 1
+  CHECK(rows[0] == 3);
+  CHECK(rows[1] == 4);
+  const auto pos = b.text.positions.to_vector<int32_t>();
+  // Prompt: text 0..2, the 4x2 image (merged 2x1) at (3, 3..4, 3), text 5..8:
+  // next_position 9, and the completion goes on at 9, 10, 11 on every axis.
+  for (int k = 0; k < 3; ++k)
+    for (int a = 0; a < 3; ++a) CHECK(pos[std::size_t((9 + k) * 3 + a)] == 9 + k);
+  // Without prompt_length the sampled pads are a third image run: an error.
+  seqs[0].prompt_length = -1;
+  CHECK_THROWS_WITH(nn::make_vl_batch(seqs, c, Device::cpu(), DType::f32), ContainsSubstring("more image-pad runs"));
 }

@@ -49,8 +49,7 @@ TEST_CASE("text-only sequences get 0, 1, 2, ... on every axis", "[nn][vl]") {
   CHECK(empty.next_position == 0);
 }
 
-TEST_CASE("an image's tokens take (s, s + row, s + col) of its merged grid, text resumes after its max",
-          "[nn][vl]") {
+TEST_CASE("an image's tokens take (s, s + row, s + col) of its merged grid, text resumes after its max", "[nn][vl]") {
   // Two text tokens, an image of 1 x 4 x 6 patches (merge 2: 2 x 3 tokens),
   // one text token after <|vision_end|>.
   std::vector<int32_t> ids = with_image({kText, kText}, 6);
@@ -138,7 +137,8 @@ TEST_CASE("MRoPE positions equal transformers' get_rope_index on the golden samp
   const io::SafetensorsFile g(std::filesystem::path(SLIME_NN_TEST_DATA) / "qwen3_vl_tiny" / "golden.safetensors");
   const std::vector<int64_t> grid_flat = g.read("image_grid_thw", DType::i64).to_vector<int64_t>();
   std::vector<nn::GridThw> grids;
-  for (std::size_t i = 0; i + 2 < grid_flat.size(); i += 3) grids.push_back({grid_flat[i], grid_flat[i + 1], grid_flat[i + 2]});
+  for (std::size_t i = 0; i + 2 < grid_flat.size(); i += 3)
+    grids.push_back({grid_flat[i], grid_flat[i + 1], grid_flat[i + 2]});
   REQUIRE(grids.size() == 3);
   // Sample 0 holds image 0, sample 1 images 1 and 2, sample 2 none (the
   // generator's SAMPLE_IMAGES); 120 is the fixture's image_token_id.

@@ -130,10 +130,9 @@ VlErrors run_vl_golden(const std::filesystem::path& dir, DType dtype, bool check
     golden_grads += name.starts_with("grad.") && name.find(".experts.") == std::string::npos ? 1 : 0;
   CHECK(params == golden_grads);
   std::printf("vl golden %s %s %s: logits %.3g, logprobs %.3g, loss %.3g, grads max %.3g (%s)\n",
-              dir.filename().string().c_str(), device.str().c_str(), std::string(dtype_name(dtype)).c_str(), e.logits, e.logprobs, e.loss,
-              e.grad_max, e.worst_grad.c_str());
+              dir.filename().string().c_str(), device.str().c_str(), std::string(dtype_name(dtype)).c_str(), e.logits,
+              e.logprobs, e.loss, e.grad_max, e.worst_grad.c_str());
   return e;
 }
-
 
 }  // namespace nn_test

@@ -175,10 +175,13 @@ struct VLBatch {
 // One sequence of a VL batch: its tokens (placeholders expanded: each image
 // is a run of image_token_id of its merged patch count) and its images'
 // grids and pixel rows ([sum t·h·w, patch_dim] f32 on the host, in order).
+// prompt_length: tokens from there on are a completion, text whatever their
+// id (a sampled image_token_id is no placeholder); -1: all prompt.
 struct VLSequence {
   std::vector<int32_t> tokens;
   std::vector<GridThw> grids;
   Tensor pixel_values;  // undefined when grids is empty
+  int64_t prompt_length = -1;
 };
 
 // Packs `sequences` for a model of `config` on `device` in `dtype`: MRoPE
@@ -200,15 +203,16 @@ inline VLBatch make_vl_batch(std::span<const VLSequence> sequences, const Qwen3V
   int64_t offset = 0, patches = 0;
   for (std::size_t i = 0; i < sequences.size(); ++i) {
     const VLSequence& s = sequences[i];
+    const std::size_t text_from = s.prompt_length < 0 ? s.tokens.size() : std::size_t(s.prompt_length);
     MropePositions p;
     try {
-      p = mrope_positions(s.tokens, s.grids, config.image_token_id, config.vision.spatial_merge_size);
+      p = mrope_positions(s.tokens, s.grids, config.image_token_id, config.vision.spatial_merge_size, text_from);
     } catch (const Error& e) {
       SLIME_FAIL("make_vl_batch: sequence ", i, ": ", e.message());
     }
     positions.insert(positions.end(), p.positions.begin(), p.positions.end());
     b.next_position.push_back(p.next_position);
-    for (std::size_t t = 0; t < s.tokens.size(); ++t)
+    for (std::size_t t = 0; t < s.tokens.size() && t < text_from; ++t)
       if (s.tokens[t] == config.image_token_id) rows.push_back(int32_t(offset + int64_t(t)));
     int64_t want = 0;
     for (const GridThw& g : s.grids) want += g[0] * g[1] * g[2];

@@ -59,11 +59,13 @@ inline void check_grid(const GridThw& g, int64_t merge, std::size_t index) {
 }  // namespace detail
 
 // The (t, h, w) positions of one sequence `ids` whose images, in order, have
-// `grids` (patches before merging); image_token_id marks the image-pad tokens.
+// `grids` (patches before merging); image_token_id marks the image-pad tokens
+// before `text_from` (the prompt's length, for a prompt + completion): a
+// completion's tokens are text whatever their id, as the engine decoded them.
 inline MropePositions mrope_positions(std::span<const int32_t> ids, std::span<const GridThw> grids,
-                                      int32_t image_token_id, int64_t spatial_merge_size) {
-  SLIME_CHECK(spatial_merge_size > 0, "mrope_positions: spatial_merge_size must be positive, got ",
-              spatial_merge_size);
+                                      int32_t image_token_id, int64_t spatial_merge_size,
+                                      std::size_t text_from = std::size_t(-1)) {
+  SLIME_CHECK(spatial_merge_size > 0, "mrope_positions: spatial_merge_size must be positive, got ", spatial_merge_size);
   SLIME_CHECK(ids.size() <= std::size_t(INT32_MAX), "mrope_positions: ", ids.size(), " tokens are too many");
   MropePositions out;
   out.positions.reserve(ids.size() * 3);
@@ -74,14 +76,14 @@ inline MropePositions mrope_positions(std::span<const int32_t> ids, std::span<co
     return int32_t(p);
   };
   while (t < ids.size()) {
-    if (ids[t] != image_token_id) {
+    if (ids[t] != image_token_id || t >= text_from) {
       const int32_t p = check_pos(next++);
       out.positions.insert(out.positions.end(), {p, p, p});
       ++t;
       continue;
     }
     std::size_t run = 0;
-    while (t + run < ids.size() && ids[t + run] == image_token_id) ++run;
+    while (t + run < ids.size() && t + run < text_from && ids[t + run] == image_token_id) ++run;
     SLIME_CHECK(image < grids.size(), "mrope_positions: the sequence has more image-pad runs than the ", grids.size(),
                 " images given (run ", image, " at token ", t, ")");
     const GridThw& g = grids[image];

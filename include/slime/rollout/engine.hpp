@@ -43,8 +43,8 @@
 // logprobs equal the trainer's recompute (Qwen3VLModel::forward over
 // make_vl_batch of prompt + completion with the same images) bit for bit on
 // the CPU; test_rollout_vl checks it. A generated image-pad token is
-// embedded as text (no image follows it), which make_vl_batch rejects as an
-// input: make image_token_id a stop token when the trainer recomputes.
+// embedded as text (no image follows it); the trainer's recompute says so
+// with VLSequence::prompt_length.
 // Images given to a text-only engine, image-pad runs that do not match the
 // grids, or pixel rows that do not match them fail that request. Weight
 // sync writes the tower and the language model (for_each_parameter).
