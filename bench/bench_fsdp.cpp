@@ -1,9 +1,11 @@
 // bench/bench_fsdp.cpp: the FSDP train step of dense Qwen3s (~0.5B and
-// Qwen3-1.7B's shape) and of a small Qwen3-MoE (with and without expert
-// parallelism) on 1 and 2 H200s, Sharded<Qwen3Model, FullShard> over
-// NcclComm, beside PyTorch FSDP2 on transformers' Qwen3ForCausalLM /
-// Qwen3MoeForCausalLM (bench/torch_fsdp2.py, which also prints the
-// side-by-side table with the 1 -> 2 GPU scaling).
+// Qwen3-1.7B's shape), of a small Qwen3-MoE (with and without expert
+// parallelism) and of a Qwen3-VL (Qwen3-VL-2B's tower, 8 text layers) on 1
+// and 2 H200s, Sharded<Qwen3Model, FullShard> /
+// Sharded<Qwen3VLModel, FullShard> over NcclComm, beside PyTorch FSDP2 on
+// transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM /
+// Qwen3VLForConditionalGeneration (bench/torch_fsdp2.py, which also prints
+// the side-by-side table with the 1 -> 2 GPU scaling).
 //
 // Model "dense0.5b" (Qwen3-0.6B's shape with 24 layers): hidden 1024, 24
 // layers, 16 heads / 8 KV heads, head_dim 128, intermediate 3072, vocab
@@ -43,6 +45,21 @@
 // (nn::init_parameters gives each ep rank its slice's values), so loss_first
 // equals fsdp/moe/gpus2's up to bf16 rounding. Compare with fsdp/moe/gpus2:
 // the same model, tokens and FLOP, the experts exchanged instead of gathered.
+// Model "vl2b_8layers" (opt-in, see Selection): Qwen3-VL-2B's vision tower
+// (depth 24, hidden 1024, 16 heads of 64, intermediate 4096, 3 channels,
+// patch 16, temporal patch 2, spatial merge 2, out_hidden 2048, a 48 x 48
+// learned position grid (2304), deepstack after blocks 5, 11, 17: 407.0M
+// parameters) and Qwen3-VL-2B's text model with 8 of its 28 layers
+// (qwen3_vl_text: hidden 2048, 16 heads / 8 KV heads, head_dim 128,
+// intermediate 6144, vocab 151936, tied embeddings, rope_theta 5e6,
+// interleaved MRoPE sections [24, 20, 20], max_position_embeddings 262144,
+// rms_norm_eps 1e-6: 713.9M parameters), transformers' default special token
+// ids (image 151655, vision start / end 151652 / 151653): 1120.8M
+// parameters. Units: patch embedding, 24 blocks, mergers, then the language
+// model's (Qwen3VLModel::units). The tower trains (forward and backward; no
+// pixel gradient). Its forward builds the image segments, rotary positions
+// and position-table taps on the host and copies them up every step
+// (nn/vision.hpp), inside the timed step.
 // All: random init (std 0.02, norm weights 1), bf16 compute, fp32 master
 // weights, fp32 gradient reduction, AdamW (lr 1e-5, betas 0.9 / 0.999, eps
 // 1e-8, weight decay 0.01, no grad clipping). No activation checkpointing
@@ -55,6 +72,17 @@
 // * 2049 + j) * 2654435761 mod vocab for j = 0 .. 2048: inputs j < 2048,
 // targets j >= 1 (the next token), so every one of the 16384 positions has a
 // target. torch_fsdp2.py builds the same tokens (as 8 rows of 2048).
+// vl2b_8layers instead: sequence s of rank r is vision_start, 196 image pads
+// (its one 448 x 448 image: grid (1, 28, 28) = 784 patches, 196 after the 2 x
+// 2 merge), vision_end, then text y(j) = ((r * 8 + s) * 2049 + j) *
+// 2654435761 mod 151643 (below Qwen's first special token, so no text token
+// is a placeholder) for j = 198 .. 2048; inputs j < 2048, targets j >= 1
+// (every position has a target, image positions included: the same 16384
+// logprobs as the text rows). The image's pixel rows [784, 1536] ~ N(0, 1)
+// (f32 on the host, cast to bf16), one VLSequence per sequence, packed by
+// nn::make_vl_batch (MRoPE positions, equal to transformers' get_rope_index
+// on this layout) once before the steps. torch_fsdp2.py builds the same
+// tokens and grids (its pixel values: its own N(0, 1) draw).
 //
 // One step (the timed unit): zero_grad, forward, the fused lm-head + token
 // log-probabilities (ops::token_logprobs: logits never materialised; it also
@@ -75,7 +103,8 @@
 // tools/gpu-test.sh runs within its 90 s: fsdp/dense0.5b/gpus1, gpus2,
 // fsdp/moe/gpus1, gpus2). An unknown name is an error. --benchmark_filter
 // selects among the registered rows as usual. The other rows:
-//   fsdp/dense1.7b/gpus1, fsdp/dense1.7b/gpus2, fsdp/moe_ep2/gpus2
+//   fsdp/dense1.7b/gpus1, fsdp/dense1.7b/gpus2, fsdp/moe_ep2/gpus2,
+//   fsdp/vl2b_8layers/gpus1, fsdp/vl2b_8layers/gpus2
 // reproduced (from the repository root, on 2 GPUs; torch's side measures
 // dense1.7b only: moe_ep2 has no FSDP2 counterpart) by
 //   SLIME_BENCH_FSDP_MODELS=dense1.7b,moe_ep2 build/gpu/bench/bench_fsdp --benchmark_out=bench_fsdp_new.json
@@ -86,19 +115,28 @@
 // table takes several --slime files: `--slime bench_fsdp.json
 // bench_fsdp_new.json` (tools/gpu-test.sh's run, which has fsdp/moe/gpus2,
 // and this one) also prints moe_ep2 against moe on 2 GPUs.
-// SLIME_BENCH_FSDP_MODELS=all and --models all measure every row.
+// SLIME_BENCH_FSDP_MODELS=all and --models all measure every row. The VL row
+// on one GPU, both sides in the same run:
+//   export SLIME_BENCH_FSDP_MODELS=vl2b_8layers
+//   build/gpu/bench/bench_fsdp --benchmark_filter=vl2b_8layers/gpus1 --benchmark_out=bench_fsdp_vl.json
+//   python3 bench/torch_fsdp2.py --models vl2b_8layers --out torch_fsdp_vl.json
+//   python3 bench/torch_fsdp2.py --table --slime bench_fsdp_vl.json --out torch_fsdp_vl.json
 //
 // Method: build, `warmup` untimed steps (the first one's loss is checked:
 // finite and within 1 of ln(vocab), as for any near-uniform random init),
 // barrier, reset the peak of slime::memory_stats(device), `steps` steps with a
 // CUDA event on the compute stream before each and after the last, then one
-// synchronisation: dense0.5b and dense1.7b 3 warm-up + 10 timed, moe and
-// moe_ep2 2 + 5 (torch's side takes as long per step as several of slime's:
-// both programs stay within their 90 s in tools/gpu-test.sh). A step's time is
+// synchronisation: dense0.5b, dense1.7b and vl2b_8layers 3 warm-up + 10
+// timed, moe and moe_ep2 2 + 5 (torch's side takes as long per step as
+// several of slime's: both programs stay within their 90 s in
+// tools/gpu-test.sh). A step's time is
 // the slowest rank's; the reported iteration time (us) is the median over the
 // timed steps (one Google Benchmark iteration holds the whole measurement).
 // Counters (per configuration):
-//   tokens_per_s     ranks * 16384 / median step time (all GPUs together)
+//   tokens_per_s     ranks * 16384 / median step time (all GPUs together;
+//                    VL: every position, image tokens included)
+//   patches_per_s    VL only: ranks * 8 * 784 / median step time (with
+//                    patches_per_step, images_per_step)
 //   peak_gib         max over ranks of memory_stats(device).peak_bytes during
 //                    the timed steps (everything slime allocated: shards,
 //                    optimizer states, gathered units, activations, workspace)
@@ -111,7 +149,10 @@
 //                    expert parallelism the same per GPU: each GPU computes
 //                    its own tokens' dense layers and, on average, as many
 //                    expert rows (its experts' rows from both GPUs) as
-//                    without it (routing imbalance shows as time, not FLOP)
+//                    without it (routing imbalance shows as time, not FLOP).
+//                    VL: plus the tower's forward + backward
+//                    (bench::vision_tower_flop: 13.8 TFLOP of the step's
+//                    87.3)
 //   ep               the expert-parallel degree (1: none)
 //   mean_us, min_us, max_us, loss_first, loss_last, gpus, tokens_per_step,
 //   steps (timed)
@@ -123,6 +164,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -131,10 +173,12 @@
 #include "slime/comm/mesh.hpp"
 #include "slime/comm/nccl_comm.hpp"
 #include "slime/core/memory.hpp"
+#include "slime/core/random.hpp"
 #include "slime/core/stream.hpp"
 #include "slime/core/tensor.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
+#include "slime/nn/qwen3_vl.hpp"
 #include "slime/parallel/expert_parallel.hpp"
 #include "slime/parallel/sharded.hpp"
 
@@ -146,15 +190,21 @@ constexpr int kSeqs = 8;           // sequences per rank and step
 constexpr int64_t kSeqLen = 2048;  // tokens per sequence
 constexpr double kLr = 1e-5;
 constexpr double kGiB = double(int64_t(1) << 30);
+// vl2b_8layers: one kImageSide x kImageSide image per sequence; text tokens
+// drawn below kTextVocab, Qwen's first special token (<|endoftext|>), so none
+// is an image placeholder or vision marker.
+constexpr int64_t kImageSide = 448;
+constexpr int64_t kTextVocab = 151643;
 
 // A benchmarked model: its row name, config, step counts, expert-parallel
 // degree and GPU counts.
 struct BenchModel {
   std::string name;
-  nn::Qwen3Config config;
-  int warmup = 3;  // untimed steps
-  int steps = 10;  // timed steps; the median is reported
-  int ep = 1;      // expert-parallel degree: mesh dp_shard (ranks / ep) x ep when > 1
+  nn::Qwen3Config config;                              // the language model's (a VL model's text_config)
+  std::optional<nn::Qwen3VLConfig> vl = std::nullopt;  // set for a Qwen3-VL model (vl->text == config)
+  int warmup = 3;                                      // untimed steps
+  int steps = 10;                                      // timed steps; the median is reported
+  int ep = 1;  // expert-parallel degree: mesh dp_shard (ranks / ep) x ep when > 1
   std::vector<int> gpus = {1, 2};
   std::string description;  // for the benchmark context
 };
@@ -200,8 +250,28 @@ BenchModel moe_ep2_model() {
   return m;
 }
 
+// Qwen3-VL-2B's tower with 8 of its 28 text layers (see the file comment).
+BenchModel vl2b_8layers_model() {
+  nn::Qwen3VLConfig vl;
+  vl.text = bench::vl2b_8layers_text_config();
+  vl.vision = bench::qwen3_vl_2b_vision_config();
+  vl.validate();  // transformers' default special token ids (image 151655, vision start / end 151652 / 151653)
+  return {.name = "vl2b_8layers",
+          .config = vl.text,
+          .vl = vl,
+          .warmup = 3,
+          .steps = 10,
+          .description =
+              "Qwen3-VL-2B's tower (depth 24, hidden 1024, 16 heads of 64, intermediate 4096, patch 16, "
+              "temporal 2, merge 2, deepstack 5/11/17) + its text model with 8 layers (hidden 2048, 16/8 "
+              "heads, head_dim 128, intermediate 6144, vocab 151936, tied, rope_theta 5e6, mrope "
+              "[24, 20, 20]); one 448x448 image (784 patches, 196 tokens) per 2048-token sequence"};
+}
+
 // Every model, in row order.
-std::vector<BenchModel> all_models() { return {dense_model(), moe_model(), dense_1p7b_model(), moe_ep2_model()}; }
+std::vector<BenchModel> all_models() {
+  return {dense_model(), moe_model(), dense_1p7b_model(), moe_ep2_model(), vl2b_8layers_model()};
+}
 
 constexpr const char* kDefaultModels = "dense0.5b,moe";  // tools/gpu-test.sh's rows
 
@@ -239,9 +309,16 @@ std::vector<BenchModel> selected_models() {
   return out;
 }
 
+// The image grids of one rank's step: kSeqs images of 1 x 28 x 28 patches.
+std::vector<nn::GridThw> vl_grids(const nn::Qwen3VLConfig& c) {
+  const int64_t side = kImageSide / c.vision.patch_size;
+  return std::vector<nn::GridThw>(std::size_t(kSeqs), nn::GridThw{1, side, side});
+}
+
 // Model FLOP of one rank's step (see the file comment; the same with and
-// without expert parallelism).
-double step_flop(const nn::Qwen3Config& c) {
+// without expert parallelism; a VL model's tower added).
+double step_flop(const BenchModel& bm) {
+  const nn::Qwen3Config& c = bm.config;
   const double d = double(c.hidden_size), qd = double(c.num_attention_heads) * c.head_dim,
                kvd = double(c.num_key_value_heads) * c.head_dim;
   double matmul_params = double(c.vocab_size) * d;  // the LM head
@@ -253,16 +330,18 @@ double step_flop(const nn::Qwen3Config& c) {
   }
   const double tokens = double(kSeqs) * double(kSeqLen);
   const double attention = 6.0 * c.num_hidden_layers * kSeqs * double(kSeqLen) * double(kSeqLen) * qd;
-  return 6.0 * tokens * matmul_params + attention;
+  const double tower = bm.vl ? bench::vision_tower_flop(bm.vl->vision, vl_grids(*bm.vl), /*backward=*/true) : 0.0;
+  return 6.0 * tokens * matmul_params + attention + tower;
 }
 
+template <class Batch>
 struct RankData {
-  nn::PackedBatch batch;
+  Batch batch;
   Tensor targets;  // i32 [kSeqs * kSeqLen]
 };
 
 // The tokens of the file comment: x(j) for sequence s of rank r.
-RankData rank_data(int rank, int64_t vocab, Device dev) {
+RankData<nn::PackedBatch> rank_data(int rank, int64_t vocab, Device dev) {
   std::vector<std::vector<int32_t>> seqs;
   std::vector<int32_t> targets;
   for (int s = 0; s < kSeqs; ++s) {
@@ -273,8 +352,40 @@ RankData rank_data(int rank, int64_t vocab, Device dev) {
     x.pop_back();
     seqs.push_back(std::move(x));
   }
-  RankData d;
+  RankData<nn::PackedBatch> d;
   d.batch = nn::make_packed_batch(seqs, dev);
+  d.targets = Tensor::from_vector(targets, {int64_t(targets.size())}, dev);
+  return d;
+}
+
+// vl2b_8layers' batch (see the file comment): sequence s of rank r is
+// vision_start, 196 image pads, vision_end, then text y(j) = ((r * 8 + s) *
+// 2049 + j) * 2654435761 mod 151643 for j = 198 .. 2048; inputs j < 2048,
+// targets j >= 1. Its image: pixel rows [784, 1536] ~ N(0, 1) (seed 1000 + r *
+// 8 + s), grid (1, 28, 28).
+RankData<nn::VLBatch> vl_rank_data(int rank, const nn::Qwen3VLConfig& c, Device dev) {
+  for (const int32_t id : {c.image_token_id, c.vision_start_token_id, c.vision_end_token_id})
+    SLIME_CHECK(id >= kTextVocab, "vl_rank_data: special token ", id, " is inside the text tokens' range [0, ",
+                kTextVocab, ")");
+  const nn::GridThw grid = vl_grids(c)[0];
+  const int64_t patches = grid[0] * grid[1] * grid[2], merged = patches / c.vision.merge_unit();
+  std::vector<nn::VLSequence> seqs;
+  std::vector<int32_t> targets;
+  for (int s = 0; s < kSeqs; ++s) {
+    const uint64_t base = uint64_t(rank * kSeqs + s) * uint64_t(kSeqLen + 1);
+    std::vector<int32_t> y{c.vision_start_token_id};
+    y.insert(y.end(), std::size_t(merged), c.image_token_id);
+    y.push_back(c.vision_end_token_id);
+    for (int64_t j = int64_t(y.size()); j <= kSeqLen; ++j)
+      y.push_back(int32_t((base + uint64_t(j)) * 2654435761ull % uint64_t(kTextVocab)));
+    targets.insert(targets.end(), y.begin() + 1, y.end());
+    y.pop_back();
+    Tensor pixels = Tensor::empty({patches, c.vision.patch_dim()}, DType::f32);
+    fill_normal(pixels, uint64_t(1000 + rank * kSeqs + s), 0, 0.f, 1.f);
+    seqs.push_back({.tokens = std::move(y), .grids = {grid}, .pixel_values = pixels});
+  }
+  RankData<nn::VLBatch> d;
+  d.batch = nn::make_vl_batch(seqs, c, dev, DType::bf16);
   d.targets = Tensor::from_vector(targets, {int64_t(targets.size())}, dev);
   return d;
 }
@@ -293,52 +404,34 @@ double mean_nll(const Tensor& logprobs, const Stream& s) {
 }
 
 using ShardedQwen3 = parallel::Sharded<nn::Qwen3Model, parallel::FullShard>;
+using ShardedQwen3VL = parallel::Sharded<nn::Qwen3VLModel, parallel::FullShard>;
 
-// One rank's whole measurement (see the file comment).
-void train_rank(comm::NcclComm& comm, const BenchModel& bm, RankResult& out) {
-  const Device dev = comm.device();
-  const int world = comm.size();
-  release_cached_memory(dev);  // a clean pool: reserved_bytes is this run's
-  const nn::Qwen3Config& cfg = bm.config;
-  // Expert parallelism: the mesh and the ExpertParallel (declared before the
-  // model and sh, so they outlive both).
-  std::unique_ptr<comm::Mesh> mesh;
-  std::unique_ptr<parallel::ExpertParallel<>> ep;
-  if (bm.ep > 1) {
-    SLIME_CHECK(world % bm.ep == 0, bm.name, ": ep ", bm.ep, " does not divide the ", world, " ranks");
-    mesh = std::make_unique<comm::Mesh>(
-        comm, comm::MeshShape{.dp_replicate = 1, .dp_shard = world / bm.ep, .cp = 1, .ep = bm.ep});
-    ep = std::make_unique<parallel::ExpertParallel<>>(*mesh, cfg.num_experts);
-  }
-  nn::Qwen3Model model(cfg, {dev, DType::bf16}, ep.get());
-  // The same weights on every rank (an ep rank: its slice of the unsplit model's).
-  model.init_random(1, 0.02f, Stream::default_for(dev));
-  parallel::ShardedOptions options;  // bf16 compute (the module's), fp32 master, fp32 reduction
+optim::AdamWConfig adamw_config() {
   optim::AdamWConfig adamw;
   adamw.lr = kLr;
   adamw.beta1 = 0.9;
   adamw.beta2 = 0.999;
   adamw.eps = 1e-8;
   adamw.weight_decay = 0.01;
-  // Without expert parallelism over the communicator (as before the mesh
-  // existed); with it over the mesh: dense units over dp_shard x ep, expert
-  // units over dp_shard. (Returned as prvalues: sh is built in place.)
-  ShardedQwen3 sh = [&]() {
-    if (mesh) return ShardedQwen3(std::move(model), *mesh, options, adamw);
-    return ShardedQwen3(std::move(model), comm, options, adamw);
-  }();
+  return adamw;
+}
 
+// The warm-up and timed steps of one rank (see the file comment) on a built
+// Sharded model and its batch (nn::PackedBatch or nn::VLBatch).
+template <class ShardedModel, class Batch>
+void time_steps(comm::NcclComm& comm, ShardedModel& sh, const RankData<Batch>& data, const BenchModel& bm,
+                RankResult& out) {
+  const Device dev = comm.device();
   const Stream s = Stream::create(dev);
-  const RankData data = rank_data(comm.rank(), cfg.vocab_size, dev);
   const int64_t T = data.batch.num_tokens();
   // d loss / d logprob_t for loss = -sum over all ranks' tokens / their count.
   const Tensor grad_lp =
-      Tensor::from_vector(std::vector<float>(std::size_t(T), float(-1.0 / double(T * world))), {T}, dev);
+      Tensor::from_vector(std::vector<float>(std::size_t(T), float(-1.0 / double(T * comm.size()))), {T}, dev);
   Stream::default_for(dev).synchronize();  // the batch and grad_lp were written on the default stream
 
   auto step = [&]() -> Tensor {
     sh.zero_grad(s);
-    ShardedQwen3::Context ctx;
+    typename ShardedModel::Context ctx;
     const Tensor hidden = sh.forward(data.batch, ctx, s);
     ops::TokenLogprobs lp = sh.token_logprobs(hidden, data.targets, 1.f, s);
     const Tensor d_hidden = sh.token_logprobs_backward(hidden, data.targets, 1.f, lp, grad_lp, Tensor{}, s);
@@ -368,6 +461,43 @@ void train_rank(comm::NcclComm& comm, const BenchModel& bm, RankResult& out) {
   out.reserved_bytes = m.reserved_bytes;
   out.loss_last = mean_nll(last, s);
   comm.barrier();  // neither rank tears down while the other may still be in a collective
+}
+
+// One rank's whole measurement (see the file comment).
+void train_rank(comm::NcclComm& comm, const BenchModel& bm, RankResult& out) {
+  const Device dev = comm.device();
+  const int world = comm.size();
+  release_cached_memory(dev);        // a clean pool: reserved_bytes is this run's
+  parallel::ShardedOptions options;  // bf16 compute (the module's), fp32 master, fp32 reduction
+  if (bm.vl) {
+    nn::Qwen3VLModel model(*bm.vl, {dev, DType::bf16});
+    model.init_random(1, 0.02f, Stream::default_for(dev));  // the same weights on every rank
+    ShardedQwen3VL sh(std::move(model), comm, options, adamw_config());
+    time_steps(comm, sh, vl_rank_data(comm.rank(), *bm.vl, dev), bm, out);
+    return;
+  }
+  const nn::Qwen3Config& cfg = bm.config;
+  // Expert parallelism: the mesh and the ExpertParallel (declared before the
+  // model and sh, so they outlive both).
+  std::unique_ptr<comm::Mesh> mesh;
+  std::unique_ptr<parallel::ExpertParallel<>> ep;
+  if (bm.ep > 1) {
+    SLIME_CHECK(world % bm.ep == 0, bm.name, ": ep ", bm.ep, " does not divide the ", world, " ranks");
+    mesh = std::make_unique<comm::Mesh>(
+        comm, comm::MeshShape{.dp_replicate = 1, .dp_shard = world / bm.ep, .cp = 1, .ep = bm.ep});
+    ep = std::make_unique<parallel::ExpertParallel<>>(*mesh, cfg.num_experts);
+  }
+  nn::Qwen3Model model(cfg, {dev, DType::bf16}, ep.get());
+  // The same weights on every rank (an ep rank: its slice of the unsplit model's).
+  model.init_random(1, 0.02f, Stream::default_for(dev));
+  // Without expert parallelism over the communicator (as before the mesh
+  // existed); with it over the mesh: dense units over dp_shard x ep, expert
+  // units over dp_shard. (Returned as prvalues: sh is built in place.)
+  ShardedQwen3 sh = [&]() {
+    if (mesh) return ShardedQwen3(std::move(model), *mesh, options, adamw_config());
+    return ShardedQwen3(std::move(model), comm, options, adamw_config());
+  }();
+  time_steps(comm, sh, rank_data(comm.rank(), cfg.vocab_size, dev), bm, out);
 }
 
 void run_fsdp(benchmark::State& state, const BenchModel& bm, int ranks) {
@@ -419,7 +549,15 @@ void run_fsdp(benchmark::State& state, const BenchModel& bm, int ranks) {
       state.counters["steps"] = n;
       state.counters["peak_gib"] = double(peak) / kGiB;
       state.counters["reserved_gib"] = double(reserved) / kGiB;
-      state.counters["tflops"] = bench::per_second(step_flop(cfg), median_ms * 1e-3, 1e12);
+      state.counters["tflops"] = bench::per_second(step_flop(bm), median_ms * 1e-3, 1e12);
+      if (bm.vl) {
+        int64_t patches = 0;
+        for (const nn::GridThw& g : vl_grids(*bm.vl)) patches += g[0] * g[1] * g[2];
+        const double patches_per_step = double(ranks) * double(patches);
+        state.counters["patches_per_s"] = patches_per_step / (median_ms * 1e-3);
+        state.counters["patches_per_step"] = patches_per_step;
+        state.counters["images_per_step"] = double(ranks) * kSeqs;
+      }
       state.counters["mean_us"] = mean_ms * 1e3;
       state.counters["min_us"] = sorted.front() * 1e3;
       state.counters["max_us"] = sorted.back() * 1e3;

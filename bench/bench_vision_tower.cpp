@@ -73,6 +73,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_models.hpp"
 #include "bench_util.hpp"
 #include "slime/core/random.hpp"
 #include "slime/core/stream.hpp"
@@ -101,22 +102,7 @@ constexpr double kOutputTol = 3e-2;  // embeds, deepstack: bf16 GPU vs f32 CPU
 constexpr double kGradTol = 8e-2;    // parameter gradients: bf16 GPU vs f32 CPU
 
 // Qwen3-VL-2B's vision tower.
-Qwen3VLVisionConfig tower_2b_config() {
-  Qwen3VLVisionConfig c;
-  c.depth = 24;
-  c.hidden_size = 1024;
-  c.intermediate_size = 4096;
-  c.num_heads = 16;
-  c.in_channels = 3;
-  c.patch_size = 16;
-  c.temporal_patch_size = 2;
-  c.spatial_merge_size = 2;
-  c.out_hidden_size = 2048;
-  c.num_position_embeddings = 2304;
-  c.deepstack_visual_indexes = {5, 11, 17};
-  c.validate();
-  return c;
-}
+Qwen3VLVisionConfig tower_2b_config() { return slime::bench::qwen3_vl_2b_vision_config(); }
 
 // The check's small tower: head_dim 64 (a CUDA attention kernel), the 2B
 // tower's patch, merge and position grid, two blocks each feeding a deepstack
@@ -156,16 +142,7 @@ int64_t patches_of(const std::vector<GridThw>& grids) {
 
 // The FLOP of one call (the formula at the top of the file).
 double tower_flop(const Qwen3VLVisionConfig& c, const std::vector<GridThw>& grids, bool backward) {
-  const double H = double(c.hidden_size), I = double(c.intermediate_size), K = double(c.patch_dim());
-  const double O = double(c.out_hidden_size), m2 = double(c.merge_unit()), L = double(c.depth);
-  const double P = double(patches_of(grids)), N = P / m2;
-  double attn = 0;
-  for (const GridThw& g : grids) attn += double(g[0]) * 4.0 * double(g[1] * g[2]) * double(g[1] * g[2]) * H;
-  const double patch = 2.0 * P * K * H;
-  const double blocks = L * (2.0 * P * (3.0 * H * H + H * H + 2.0 * H * I) + attn);
-  const double mergers = double(1 + c.deepstack_visual_indexes.size()) * 2.0 * N * (m2 * H) * (m2 * H + O);
-  const double fwd = patch + blocks + mergers;
-  return backward ? 3.0 * fwd - patch : fwd;
+  return slime::bench::vision_tower_flop(c, grids, backward);
 }
 
 // ---- helpers ---------------------------------------------------------------------

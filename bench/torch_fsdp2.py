@@ -41,6 +41,23 @@ attention, no activation checkpointing, eager (no torch.compile):
              (the MoE steps of eager PyTorch are slow: both models' runs fit
              tools/gpu-test.sh's 90 s per process).
 
+  vl2b_8layers  (opt-in: --models) transformers'
+             Qwen3VLForConditionalGeneration (Qwen3VLConfig) with Qwen3-VL-2B's
+             vision tower (depth 24, hidden 1024, 16 heads of 64, intermediate
+             4096, 3 channels, patch 16, temporal patch 2, spatial merge 2,
+             out_hidden 2048, num_position_embeddings 2304, deepstack after
+             blocks 5, 11, 17, gelu_pytorch_tanh) and its text model with 8 of
+             its 28 layers (Qwen3VLTextConfig: hidden 2048, 16 heads / 8 KV
+             heads, head_dim 128, intermediate 6144, vocab 151936, tied
+             embeddings, rope_parameters {default, rope_theta 5e6,
+             mrope_section [24, 20, 20], mrope_interleaved}, max_position
+             262144, rms_norm_eps 1e-6), default special token ids (image
+             151655, vision start / end 151652 / 151653). fully_shard on every
+             vision block, on the tower (patch embedding, position table,
+             mergers), on every text decoder layer and on the root. SDPA in
+             both (transformers' tower runs one SDPA call per image). 3
+             warm-up + 10 timed steps. See "VL data" below.
+
 bench_fsdp's "moe_ep2" (the moe model with expert parallelism, mesh dp_shard 1
 x ep 2) has no FSDP2 counterpart: the table shows slime's row alone, and
 beside slime's fsdp/moe/gpus2 when the --slime files hold both.
@@ -58,6 +75,26 @@ averages gradients over ranks, so the loss is the mean over all ranks' tokens,
 as slime's), backward, optimizer step. No host synchronisation inside a step
 of ours (transformers' MoE code may have its own).
 
+VL data (vl2b_8layers), as bench_fsdp's: row s of rank r is vision_start,
+196 image pads (a 448 x 448 image: grid (1, 28, 28) = 784 patches, merged
+2 x 2), vision_end, then text y(j) = ((r * 8 + s) * 2049 + j) * 2654435761 mod
+151643 (below the first special token) for j = 198 .. 2048; input_ids j <
+2048, targets j >= 1 (every one of the 16384 positions has a target, image
+positions included, as slime's). pixel_values [8 * 784, 1536] bf16 ~ N(0, 1)
+(per rank seed; slime draws its own values of the same shape),
+image_grid_thw [[1, 28, 28]] x 8. The MRoPE position_ids [3, 8, 2048] come
+from the model's get_rope_index (mm_token_type_ids: 1 on the image pads) once,
+before the steps (slime's make_vl_batch builds its positions once too). One
+step: zero_grad(set_to_none), loss = model(input_ids, pixel_values,
+image_grid_thw, position_ids, labels=targets, shift_labels=targets).loss
+(transformers' ForCausalLMLoss from labels: logits upcast to fp32, mean
+cross entropy over the rank's 16384 tokens; shift_labels: the targets are
+already the next tokens), backward, optimizer step. transformers' Qwen3-VL
+forward has host synchronisations of its own (the grid's .tolist() to split
+the merged patches per image, the placeholder count check). Extra row fields:
+patches_per_s (N * 6272 / median step time), patches_per_step,
+images_per_step. tokens_per_s counts every position (text and image tokens).
+
 Method, per model: --warmup untimed steps (the first one's loss is checked:
 finite and within 1 of ln(vocab)), reset the peak memory statistics, --steps
 steps with a CUDA event on the current stream before each and after the last,
@@ -68,7 +105,7 @@ steps, max over ranks), reserved_gib (max_memory_reserved), tflops (model FLOP
 per GPU per second, bench_fsdp's formula: active matmul parameters), mean_us,
 min_us, max_us, loss_first, loss_last, gpus, tokens_per_step, params, steps.
 The models of --models run one after the other in one process (in the
-order dense0.5b, moe, dense1.7b), each row written to --out as soon as it is
+order dense0.5b, moe, dense1.7b, vl2b_8layers), each row written to --out as soon as it is
 measured; the memory of one is freed before the next.
 
     python3 bench/torch_fsdp2.py --out torch_fsdp.json            # 1 GPU (a process group of one)
@@ -86,6 +123,13 @@ GPUs, from the repository root:
 
 (--slime bench_fsdp.json bench_fsdp_new.json: the default run's rows too, so
 moe_ep2 is shown against moe on 2 GPUs.)
+
+The VL row on one GPU (both sides in the same run, from the repository root):
+
+    export SLIME_BENCH_FSDP_MODELS=vl2b_8layers
+    build/gpu/bench/bench_fsdp --benchmark_filter=vl2b_8layers/gpus1 --benchmark_out=bench_fsdp_vl.json
+    python3 bench/torch_fsdp2.py --models vl2b_8layers --out torch_fsdp_vl.json
+    python3 bench/torch_fsdp2.py --table --slime bench_fsdp_vl.json --out torch_fsdp_vl.json
 
 --models: comma-separated models to measure, default "dense0.5b,moe" (the
 rows tools/gpu-test.sh runs within its 90 s per process), "all" for every
@@ -148,7 +192,26 @@ MODELS = {
         head_dim=128, warmup=3, steps=10, tied=True,
         description="Qwen3-1.7B's shape: hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, "
                     "vocab 151936, tied"),
+    "vl2b_8layers": dict(
+        config_class="Qwen3VLConfig",
+        # config: the text_config (Qwen3VLTextConfig); vision: the vision_config (Qwen3VLVisionConfig).
+        config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+                    num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                    rms_norm_eps=1e-6, attention_bias=False, hidden_act="silu", use_cache=False,
+                    attention_dropout=0.0, initializer_range=0.02,
+                    rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[24, 20, 20],
+                                         mrope_interleaved=True)),
+        vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, in_channels=3, patch_size=16,
+                    temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2048, num_position_embeddings=2304,
+                    deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh", initializer_range=0.02),
+        image_side=448,
+        head_dim=128, warmup=3, steps=10, tied=True,
+        description="Qwen3-VL-2B's tower (depth 24, hidden 1024, 16 heads of 64, intermediate 4096, patch 16, "
+                    "temporal 2, merge 2, deepstack 5/11/17) + its text model with 8 layers (hidden 2048, 16/8 heads, "
+                    "head_dim 128, intermediate 6144, vocab 151936, tied, rope_theta 5e6, mrope [24, 20, 20]); one "
+                    "448x448 image (784 patches, 196 tokens) per 2048-token sequence"),
 }
+TEXT_VOCAB = 151643  # VL text tokens: below Qwen's first special token (<|endoftext|>)
 DEFAULT_MODELS = "dense0.5b,moe"  # tools/gpu-test.sh's rows
 # bench_fsdp's rows without an FSDP2 counterpart: name -> description, GPU counts, the model it is compared with.
 SLIME_ONLY = {
@@ -199,7 +262,29 @@ def step_flop(model):
         else:
             matmul_params += 3 * d * c["intermediate_size"]
     attention = 6.0 * c["num_hidden_layers"] * SEQS * SEQ_LEN * SEQ_LEN * qd
-    return 6.0 * SEQS * SEQ_LEN * matmul_params + attention
+    tower = vision_tower_flop(spec["vision"], vl_grids(spec)) if "vision" in spec else 0.0
+    return 6.0 * SEQS * SEQ_LEN * matmul_params + attention + tower
+
+
+def vl_grids(spec):
+    """(t, h, w) of the SEQS images of one rank's step."""
+    side = spec["image_side"] // spec["vision"]["patch_size"]
+    return [(1, side, side)] * SEQS
+
+
+def vision_tower_flop(v, grids):
+    """Forward + backward model FLOP of the vision tower (bench_models.hpp's vision_tower_flop): GEMMs and
+    attention, fwd = 2 P K H + L (2 P (4 H^2 + 2 H I) + sum_i 4 P_i^2 H) + mergers 2 N (m^2 H) (m^2 H + O),
+    fwd + bwd = 3 fwd - 2 P K H (no pixel gradient)."""
+    h, i, o, layers = v["hidden_size"], v["intermediate_size"], v["out_hidden_size"], v["depth"]
+    k = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
+    m2 = v["spatial_merge_size"] ** 2
+    p = sum(t * hh * w for t, hh, w in grids)
+    attn = sum(t * 4.0 * (hh * w) ** 2 * h for t, hh, w in grids)
+    patch = 2.0 * p * k * h
+    blocks = layers * (2.0 * p * (3.0 * h * h + h * h + 2.0 * h * i) + attn)
+    mergers = (1 + len(v["deepstack_visual_indexes"])) * 2.0 * (p / m2) * (m2 * h) * (m2 * h + o)
+    return 3.0 * (patch + blocks + mergers) - patch
 
 
 def make_tokens(rank, vocab, device):
@@ -209,6 +294,31 @@ def make_tokens(rank, vocab, device):
     rows = (rank * SEQS + torch.arange(SEQS, dtype=torch.int64))[:, None] * (SEQ_LEN + 1)
     x = (rows + torch.arange(SEQ_LEN + 1, dtype=torch.int64)[None, :]) * 2654435761 % vocab
     return x[:, :-1].contiguous().to(device), x[:, 1:].contiguous().to(device)
+
+
+def make_vl_batch(rank, spec, config, device, dtype):
+    """vl2b_8layers' batch of the module docstring: dict(input_ids, pixel_values, image_grid_thw, mm_token_type_ids)
+    and targets (int64 [8, 2048])."""
+    import torch
+
+    v = spec["vision"]
+    grids = vl_grids(spec)
+    patches = grids[0][0] * grids[0][1] * grids[0][2]
+    merged = patches // v["spatial_merge_size"] ** 2
+    ids = [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
+    assert min(ids) >= TEXT_VOCAB, f"special token ids {ids} inside the text tokens' range [0, {TEXT_VOCAB})"
+    head = [config.vision_start_token_id] + [config.image_token_id] * merged + [config.vision_end_token_id]
+    rows = (rank * SEQS + torch.arange(SEQS, dtype=torch.int64))[:, None] * (SEQ_LEN + 1)
+    y = (rows + torch.arange(SEQ_LEN + 1, dtype=torch.int64)[None, :]) * 2654435761 % TEXT_VOCAB
+    y[:, :len(head)] = torch.tensor(head, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    patch_dim = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
+    pixel_values = torch.randn(SEQS * patches, patch_dim, generator=gen).to(device=device, dtype=dtype)
+    input_ids = y[:, :-1].contiguous().to(device)
+    inputs = dict(input_ids=input_ids, pixel_values=pixel_values,
+                  image_grid_thw=torch.tensor(grids, dtype=torch.int64, device=device),
+                  mm_token_type_ids=(input_ids == config.image_token_id).to(torch.int32))
+    return inputs, y[:, 1:].contiguous().to(device)
 
 
 def first_line(e):
@@ -240,20 +350,33 @@ def build(transformers, model_name, device, experts_impl):
     kwargs = dict(spec["config"])
     if experts_impl is not None:
         kwargs["experts_implementation"] = experts_impl
-    cfg = getattr(transformers, spec["config_class"])(**kwargs)
+    vl = "vision" in spec
+    if vl:  # Qwen3VLConfig: tie_word_embeddings at the top level, the ids transformers' defaults
+        cfg = getattr(transformers, spec["config_class"])(text_config=kwargs, vision_config=dict(spec["vision"]),
+                                                          tie_word_embeddings=spec["tied"])
+    else:
+        cfg = getattr(transformers, spec["config_class"])(**kwargs)
     extra = {} if experts_impl is None else {"experts_implementation": experts_impl}
     torch.manual_seed(0)  # the same initial weights on every rank
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", **extra)
+        if vl:
+            model = transformers.Qwen3VLForConditionalGeneration._from_config(cfg, attn_implementation="sdpa")
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", **extra)
     model.train()
     params = sum(p.numel() for p in model.parameters())  # shared (tied) parameters once
     assert all(p.dtype == torch.float32 for p in model.parameters()), "the master parameters must be fp32"
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    text = model.model.language_model if vl else model.model
+    tied = model.lm_head.weight is text.embed_tokens.weight
     assert tied == spec["tied"], f"the embeddings must {'' if spec['tied'] else 'not '}be tied"
-    head_dim = getattr(model.model.layers[0].self_attn, "head_dim", spec["head_dim"])
+    head_dim = getattr(text.layers[0].self_attn, "head_dim", spec["head_dim"])
     assert head_dim == spec["head_dim"], f"head_dim {head_dim}, expected {spec['head_dim']}"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    if vl:  # the tower's blocks, then the rest of the tower (patch embedding, position table, mergers)
+        for block in model.model.visual.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model.model.visual, mp_policy=mp)
+    for layer in text.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
@@ -271,7 +394,9 @@ def measure_model(args, transformers, model_name, device, world, rank):
     warmup = args.warmup if args.warmup is not None else spec["warmup"]
     steps = args.steps if args.steps is not None else spec["steps"]
     vocab = spec["config"]["vocab_size"]
-    ids, targets = make_tokens(rank, vocab, device)
+    vl = "vision" in spec
+    if not vl:
+        ids, targets = make_tokens(rank, vocab, device)
     moe = spec["config_class"] == "Qwen3MoeConfig"
     # MoE: ask for grouped_mm where torch has grouped GEMMs; on failure (to build, or in the first step) the default.
     candidates = ([("grouped_mm" if hasattr(torch, "_grouped_mm") else None)] + [None]) if moe else [None]
@@ -280,15 +405,29 @@ def measure_model(args, transformers, model_name, device, world, rank):
     for i, impl in enumerate(candidates):
         try:
             model, opt, params = build(transformers, model_name, device, impl)
+            if vl:
+                inputs, targets = make_vl_batch(rank, spec, model.config, device, torch.bfloat16)
+                with torch.no_grad():  # MRoPE positions [3, 8, 2048], once (outside the steps)
+                    position_ids, _ = model.model.get_rope_index(
+                        inputs["input_ids"], mm_token_type_ids=inputs.pop("mm_token_type_ids"),
+                        image_grid_thw=inputs["image_grid_thw"])
+                inputs["position_ids"] = position_ids
 
-            def step(model=model, opt=opt):
-                opt.zero_grad(set_to_none=True)
-                logits = model(input_ids=ids, use_cache=False).logits
-                loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1))
-                del logits
-                loss.backward()
-                opt.step()
-                return loss
+                def step(model=model, opt=opt):
+                    opt.zero_grad(set_to_none=True)
+                    loss = model(**inputs, labels=targets, shift_labels=targets).loss
+                    loss.backward()
+                    opt.step()
+                    return loss
+            else:
+                def step(model=model, opt=opt):
+                    opt.zero_grad(set_to_none=True)
+                    logits = model(input_ids=ids, use_cache=False).logits
+                    loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1))
+                    del logits
+                    loss.backward()
+                    opt.step()
+                    return loss
 
             loss_first = float(step().item())
             break
@@ -341,6 +480,10 @@ def measure_model(args, transformers, model_name, device, world, rank):
         "steps": steps,
         "batch_layout": f"{SEQS} rows x {SEQ_LEN}",
     }
+    if vl:
+        patches_per_step = world * sum(t * h * w for t, h, w in vl_grids(spec))
+        row.update({"patches_per_s": patches_per_step / (median_ms * 1e-3), "patches_per_step": patches_per_step,
+                    "images_per_step": world * SEQS})
     if moe:
         impl = experts_implementation(model)
         row.update({"experts_implementation": impl, "grouped_mm": impl == "grouped_mm"})
@@ -350,13 +493,14 @@ def measure_model(args, transformers, model_name, device, world, rank):
         row["error"] = error
     ctx = None
     if rank == 0:
-        cfg = model.config
+        cfg = getattr(model.config, "text_config", model.config)  # a VL model's: its text_config
         rope = getattr(cfg, "rope_parameters", None)
         theta = rope.get("rope_theta") if isinstance(rope, dict) else getattr(cfg, "rope_theta", None)
         ctx = bench_util.context(argparse.Namespace(warmup=warmup, reps=args.reps, batch=args.batch), device,
                                  transformers=transformers.__version__,
                                  nccl=".".join(str(v) for v in torch.cuda.nccl.version()), model=model_name,
-                                 model_class=type(model).__name__, config=spec["config"], rope_theta_effective=theta,
+                                 model_class=type(model).__name__, config=spec["config"],
+                                 vision_config=spec.get("vision"), rope_theta_effective=theta,
                                  attn_implementation="sdpa", world_size=world, steps=steps,
                                  NCCL_NVLS_ENABLE=os.environ.get("NCCL_NVLS_ENABLE"))
     del model, opt, step, loss, marks
@@ -426,8 +570,9 @@ def print_table(slime, rows):
     """slime: bench_util.gbench_results of bench_fsdp's JSON; rows: this script's rows."""
     torch_rows = {r["bench"]: r for r in rows}
     present = {row_model(n) for n in [*slime, *torch_rows]}
-    print("fsdp: slime Sharded<Qwen3Model, FullShard> vs PyTorch FSDP2 (transformers Qwen3ForCausalLM / "
-          f"Qwen3MoeForCausalLM), {SEQS} x {SEQ_LEN} tokens per GPU per step (weak scaling)")
+    print("fsdp: slime Sharded<Qwen3Model / Qwen3VLModel, FullShard> vs PyTorch FSDP2 (transformers "
+          f"Qwen3ForCausalLM / Qwen3MoeForCausalLM / Qwen3VLForConditionalGeneration), {SEQS} x {SEQ_LEN} tokens per "
+          "GPU per step (weak scaling; VL: image tokens included)")
     for name, spec in [*MODELS.items(), *SLIME_ONLY.items()]:
         if name in present:
             print(f"  {name}: {spec['description']}")
@@ -482,6 +627,12 @@ def print_table(slime, rows):
                 print(f"{model} vs {spec['compare']} on {gpus} GPUs (slime): tokens/s x "
                       f"{mine['tokens_per_s'] / base['tokens_per_s']:.2f}, peak memory per GPU x "
                       f"{mine['peak_gib'] / base['peak_gib']:.2f} (> 1: {model} higher)")
+    for name in names:  # VL rows: the tower's throughput too
+        s, t = slime.get(name), torch_rows.get(name)
+        if ok(s) and ok(t) and "patches_per_s" in s and "patches_per_s" in t:
+            print(f"{name} patches/s: slime {s['patches_per_s']:.0f}, torch {t['patches_per_s']:.0f}, "
+                  f"x {s['patches_per_s'] / t['patches_per_s']:.2f} (slime / torch); model TFLOP/s per GPU: slime "
+                  f"{s['tflops']:.1f}, torch {t['tflops']:.1f}")
     impls = {r["bench"]: r["experts_implementation"] + (f" (after: {r['fallback']})" if r.get("fallback") else "")
              for r in rows if "experts_implementation" in r}
     for name, impl in sorted(impls.items()):
