@@ -169,6 +169,21 @@ Result reference(const nn::Qwen3VLConfig& c, int world) {
   return out;
 }
 
+// zero_grad and loss_and_backward of rank w.rank()'s samples_of with the
+// normaliser `total`; returns the loss over all ranks' tokens (each rank's
+// share summed).
+template <class S>
+double step_loss(S& sh, const nn::Qwen3VLConfig& c, comm::Comm& w, int64_t total) {
+  sh.zero_grad();
+  const std::vector<nn::VLSequence> mine = samples_of(w.rank(), c);
+  const nn::VLBatch b = nn::make_vl_batch(mine, c, Device::cpu(), DType::f32);
+  const std::vector<int32_t> t = targets_of(mine, int32_t(c.text.vocab_size));
+  const double loss = sh.loss_and_backward(b, Tensor::from_vector(t, {int64_t(t.size())}), 1.f, double(total)).loss;
+  Tensor l = Tensor::from_vector(std::vector<float>{float(loss)}, {1});
+  w.all_reduce(l, comm::ReduceOp::sum);
+  return double(l.to_vector<float>()[0]);
+}
+
 template <class S>
 Result sharded(const nn::Qwen3VLConfig& c, int world) {
   int64_t total = 0;
@@ -179,14 +194,7 @@ Result sharded(const nn::Qwen3VLConfig& c, int world) {
     Sharded<nn::Qwen3VLModel, S> sh(make(c), w);
     TCHECK(sh.num_units() == sh.module().units().size());
     TCHECK(sh.unit_name(0) == "model.visual.patch_embed");
-    sh.zero_grad();
-    const std::vector<nn::VLSequence> mine = samples_of(w.rank(), c);
-    const nn::VLBatch b = nn::make_vl_batch(mine, c, Device::cpu(), DType::f32);
-    const std::vector<int32_t> t = targets_of(mine, int32_t(c.text.vocab_size));
-    const double loss = sh.loss_and_backward(b, Tensor::from_vector(t, {int64_t(t.size())}), 1.f, double(total)).loss;
-    // The loss over all ranks' tokens: each rank's share summed.
-    Tensor l = Tensor::from_vector(std::vector<float>{float(loss)}, {1});
-    w.all_reduce(l, comm::ReduceOp::sum);
+    const double loss = step_loss(sh, c, w, total);
     for (const std::string& name : sh.parameter_names()) {
       const std::vector<float> g = sh.gather_gradient(name).template to_vector<float>();
       if (w.rank() == 0) {
@@ -194,18 +202,16 @@ Result sharded(const nn::Qwen3VLConfig& c, int world) {
         out.grads[name] = g;
       }
     }
-    if (w.rank() == 0) out.loss = double(l.to_vector<float>()[0]);
+    if (w.rank() == 0) out.loss = loss;
     sh.optimizer_step(1e-2);
   });
   thread_checks().require_none();
   return out;
 }
 
-template <class S>
-void check(bool moe, int world) {
-  INFO((moe ? "MoE" : "dense") << ", " << world << " rank(s)");
-  const nn::Qwen3VLConfig c = vl_config(moe);
-  const Result want = reference(c, world), got = sharded<S>(c, world);
+// The loss and every gradient of `got` against `want`: bitwise when
+// `exact`, else <= 1e-5 relative. Returns the largest gradient difference.
+double check_result(const Result& got, const Result& want, bool exact) {
   CHECK(std::abs(got.loss - want.loss) <= 1e-6 * std::abs(want.loss));
   REQUIRE(got.grads.size() == want.grads.size());
   double worst = 0;
@@ -214,12 +220,20 @@ void check(bool moe, int world) {
     REQUIRE(got.grads.count(name) == 1);
     const double d = rel_diff(got.grads.at(name), g);
     worst = std::max(worst, d);
-    if (world == 1) {
+    if (exact) {
       CHECK(got.grads.at(name) == g);
     } else {
       CHECK(d <= 1e-5);
     }
   }
+  return worst;
+}
+
+template <class S>
+void check(bool moe, int world) {
+  INFO((moe ? "MoE" : "dense") << ", " << world << " rank(s)");
+  const nn::Qwen3VLConfig c = vl_config(moe);
+  const double worst = check_result(sharded<S>(c, world), reference(c, world), world == 1);
   std::printf("sharded vl %s world %d: worst gradient %.3g\n", moe ? "moe" : "dense", world, worst);
 }
 
@@ -470,19 +484,7 @@ constexpr int64_t kExperts = 4;
 nn::Qwen3VLModel ep_model(const nn::Qwen3VLConfig& c, ExpertParallel<>& ep) {
   nn::Qwen3VLModel full = make(c);
   nn::Qwen3VLModel m(c, {}, &ep);
-  std::vector<nn::Parameter*> src, dst;
-  full.for_each_parameter([&](nn::Parameter& p) { src.push_back(&p); });
-  m.for_each_parameter([&](nn::Parameter& p) { dst.push_back(&p); });
-  SLIME_CHECK(src.size() == dst.size(), "ep_model: parameter counts differ");
-  for (std::size_t i = 0; i < src.size(); ++i) {
-    SLIME_CHECK(src[i]->name == dst[i]->name, "ep_model: parameter ", i, " is ", src[i]->name, " vs ", dst[i]->name);
-    if (dst[i]->is_expert_stack()) {
-      const int64_t per = dst[i]->value.numel() / dst[i]->value.size(0);
-      dst[i]->value.copy_from(src[i]->value.view(dst[i]->first_expert * per, dst[i]->value.shape()));
-    } else {
-      dst[i]->value.copy_from(src[i]->value);
-    }
-  }
+  slime_test::fsdp::copy_expert_slices(full, m);
   return m;
 }
 
@@ -518,15 +520,9 @@ Result ep_sharded(const nn::Qwen3VLConfig& c, int dp, int nep, const std::filesy
     for (std::size_t u = 0; u < sh.num_units(); ++u) expert_units += sh.is_expert_unit(u) ? 1 : 0;
     TCHECK(expert_units == std::size_t(c.text.num_hidden_layers));  // every layer sparse
     parallel::save_hf_vl(sh, w, export_dir, {.ep = &ep});
-    sh.zero_grad();
-    const std::vector<nn::VLSequence> mine = samples_of(w.rank(), c);
-    const nn::VLBatch b = nn::make_vl_batch(mine, c, Device::cpu(), DType::f32);
-    const std::vector<int32_t> t = targets_of(mine, int32_t(c.text.vocab_size));
-    const double loss = sh.loss_and_backward(b, Tensor::from_vector(t, {int64_t(t.size())}), 1.f, double(total)).loss;
-    Tensor l = Tensor::from_vector(std::vector<float>{float(loss)}, {1});
-    w.all_reduce(l, comm::ReduceOp::sum);
+    const double loss = step_loss(sh, c, w, total);
     slime_test::fsdp::gather_full(sh, mesh, kExperts, out.grads, mutex, slime_test::fsdp::Gathered::gradients);
-    if (w.rank() == 0) out.loss = double(l.to_vector<float>()[0]);
+    if (w.rank() == 0) out.loss = loss;
     sh.optimizer_step(kLr);
   });
   thread_checks().require_none();
@@ -544,17 +540,7 @@ TEST_CASE("Sharded<Qwen3VLModel> with ExpertParallel equals the unsharded Qwen3-
   for (const Case k : {Case{1, 2}, Case{2, 2}}) {
     INFO("dp " << k.dp << " x ep " << k.ep);
     TempDir dir("ep_" + std::to_string(k.dp) + "x" + std::to_string(k.ep));
-    const Result want = reference(c, k.dp * k.ep), got = ep_sharded(c, k.dp, k.ep, dir.path);
-    CHECK(std::abs(got.loss - want.loss) <= 1e-6 * std::abs(want.loss));
-    REQUIRE(got.grads.size() == want.grads.size());
-    double worst = 0;
-    for (const auto& [name, g] : want.grads) {
-      INFO(name);
-      REQUIRE(got.grads.count(name) == 1);
-      const double d = rel_diff(got.grads.at(name), g);
-      worst = std::max(worst, d);
-      CHECK(d <= 1e-5);
-    }
+    const double worst = check_result(ep_sharded(c, k.dp, k.ep, dir.path), reference(c, k.dp * k.ep), false);
     std::printf("sharded vl ep dp %d x ep %d: worst gradient %.3g\n", k.dp, k.ep, worst);
     check_export(c, dir.path);
   }
