@@ -305,6 +305,8 @@ Params frozen_reference(const nn::Qwen3VLConfig& c, int steps) {
 struct FrozenRun {
   int first_step = 0, steps = 1;
   std::filesystem::path load, save;  // empty: none
+  parallel::ShardedOptions options = {};
+  bool offload = false;  // runtime offload / onload after every step
 };
 
 // Sharded<S> with a frozen tower on `world` ranks: a run of `run.steps`
@@ -315,7 +317,7 @@ Params frozen_sharded(const nn::Qwen3VLConfig& c, int world, const FrozenRun& ru
   Params out;
   std::mutex mutex;
   comm::run_local_ranks(world, [&](comm::Comm& w) {
-    Sharded<nn::Qwen3VLModel, S> sh(make_frozen(c), w);
+    Sharded<nn::Qwen3VLModel, S> sh(make_frozen(c), w, run.options);
     const std::size_t nv = sh.module().num_vision_units();
     for (std::size_t u = 0; u < sh.num_units(); ++u) TCHECK(sh.unit_trainable(u) == (u >= nv));
     // AdamW's state: the trainable units' moments only, shaped as their masters.
@@ -335,6 +337,10 @@ Params frozen_sharded(const nn::Qwen3VLConfig& c, int world, const FrozenRun& ru
       sh.zero_grad();
       sh.loss_and_backward(b, Tensor::from_vector(t, {int64_t(t.size())}), 1.f, double(total));
       sh.optimizer_step(kLr, 1e3);  // a clip that does not bind: the norm over the language units runs
+      if (run.offload) {
+        sh.offload();
+        sh.onload();
+      }
     }
     TCHECK(slime_test::fsdp::error_of([&] {
              (void)sh.gather_gradient("model.visual.merger.linear_fc1.weight");
@@ -443,6 +449,13 @@ TEMPLATE_TEST_CASE("Sharded<Qwen3VLModel> with a frozen tower: the tower stays, 
     }
   }
   for (const int world : {1, 2, 3}) check_frozen_memory<TestType>(vl_config(true), world);
+  {
+    INFO("cpu_offload, and runtime offload after every step, 2 ranks");
+    const nn::Qwen3VLConfig c = vl_config(true);
+    const Params want = frozen_reference(c, 3);
+    check_frozen(c, frozen_sharded<TestType>(c, 2, {.steps = 3, .options = {.cpu_offload = true}}), want, 1e-5);
+    check_frozen(c, frozen_sharded<TestType>(c, 2, {.steps = 3, .offload = true}), want, 1e-5);
+  }
 }
 
 TEST_CASE("Sharded<Qwen3VLModel> with a frozen tower: a checkpoint resumes with another rank count",
