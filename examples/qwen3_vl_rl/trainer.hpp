@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +42,7 @@
 #include "slime/nn/qwen3_vl.hpp"
 #include "slime/nn/qwen3_vl_checkpoint.hpp"
 #include "slime/optim/lr_schedule.hpp"
+#include "slime/parallel/export_hf.hpp"
 #include "slime/parallel/sharded.hpp"
 #include "slime/rl/advantages.hpp"
 #include "slime/rl/policy_loss.hpp"
@@ -302,20 +304,11 @@ class Trainer {
   // The trained model as a Hugging Face directory (rank 0 writes; every rank
   // takes part in the gathers).
   void export_hf(const fs::path& dir) {
-    nn::Qwen3VLModel full(config_, {Device::cpu(), DType::f32});
-    full.for_each_parameter([&](nn::Parameter& p) {
-      const Tensor g = policy_->gather_parameter(p.name);
-      if (comm_.rank() != 0) return;
-      const Tensor host = g.to(Device::cpu());
-      if (host.dtype() == DType::f32) {
-        p.value.copy_from(host);
-      } else {
-        ops::cast(host, p.value);
-      }
-    });
-    if (comm_.rank() == 0) {
-      nn::save_hf_vl(full, dir);
-      write_export_check(full, dir / "export_check.safetensors");
+    // The whole model on rank 0 (f32, CPU): written, then run for the check.
+    std::optional<nn::Qwen3VLModel> full = parallel::gather_vl_model(*policy_, comm_);
+    if (full) {
+      nn::save_hf_vl(*full, dir);
+      write_export_check(*full, dir / "export_check.safetensors");
       std::cout << "exported the trained model to " << dir.string() << "\n";
     }
   }

@@ -1,7 +1,8 @@
 // tests/fsdp/sharded_test_util.hpp: what the CPU FSDP tests share
 // (test_sharded.cpp, test_sharded_ep.cpp, tests/cp/test_sharded_cp.cpp): the
 // per-rank micro-batches, the parameters by name (gathered from a Sharded
-// model too) and their relative difference, and an error's message.
+// model too) and their relative difference, an error's message, and an
+// expert-parallel model's values copied from the whole model.
 #pragma once
 
 #include <catch2/catch_test_macros.hpp>
@@ -17,7 +18,9 @@
 #include <vector>
 
 #include "slime/comm/mesh.hpp"
+#include "slime/core/error.hpp"
 #include "slime/core/tensor.hpp"
+#include "slime/nn/module.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/optim/adamw.hpp"
@@ -123,6 +126,27 @@ inline void reference_step(slime::nn::Qwen3Model& model, slime::optim::AdamW& op
   float scale = 1.f;
   if (max_grad_norm > 0) scale = slime::optim::clip_coefficient(slime::optim::global_grad_norm(grads), max_grad_norm);
   opt.step(params, grads, lr, scale);
+}
+
+// Every value of `full` into `m`, the same model built with an
+// ExpertParallel: an expert stack gets its slice of the experts. Called in
+// rank threads: library checks (exceptions), not Catch2 assertions.
+template <class Model>
+void copy_expert_slices(Model& full, Model& m) {
+  std::vector<slime::nn::Parameter*> src, dst;
+  full.for_each_parameter([&](slime::nn::Parameter& p) { src.push_back(&p); });
+  m.for_each_parameter([&](slime::nn::Parameter& p) { dst.push_back(&p); });
+  SLIME_CHECK(src.size() == dst.size(), "copy_expert_slices: parameter counts differ");
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    SLIME_CHECK(src[i]->name == dst[i]->name, "copy_expert_slices: parameter ", i, " is ", src[i]->name, " vs ",
+                dst[i]->name);
+    if (dst[i]->is_expert_stack()) {
+      const int64_t per = dst[i]->value.numel() / dst[i]->value.size(0);
+      dst[i]->value.copy_from(src[i]->value.view(dst[i]->first_expert * per, dst[i]->value.shape()));
+    } else {
+      dst[i]->value.copy_from(src[i]->value);
+    }
+  }
 }
 
 // Every parameter's values by name.

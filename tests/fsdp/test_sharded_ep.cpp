@@ -76,20 +76,7 @@ nn::Qwen3Model full_model() {
 nn::Qwen3Model ep_model(ExpertParallel<>& ep) {
   nn::Qwen3Model full = full_model();
   nn::Qwen3Model m(moe_config(), {}, &ep);
-  std::vector<nn::Parameter*> src, dst;
-  full.for_each_parameter([&](nn::Parameter& p) { src.push_back(&p); });
-  m.for_each_parameter([&](nn::Parameter& p) { dst.push_back(&p); });
-  // Called in rank threads: library checks (exceptions), not Catch2 assertions.
-  SLIME_CHECK(src.size() == dst.size(), "ep_model: parameter counts differ");
-  for (std::size_t i = 0; i < src.size(); ++i) {
-    SLIME_CHECK(src[i]->name == dst[i]->name, "ep_model: parameter ", i, " is ", src[i]->name, " vs ", dst[i]->name);
-    if (dst[i]->is_expert_stack()) {
-      const int64_t per = dst[i]->value.numel() / dst[i]->value.size(0);
-      dst[i]->value.copy_from(src[i]->value.view(dst[i]->first_expert * per, dst[i]->value.shape()));
-    } else {
-      dst[i]->value.copy_from(src[i]->value);
-    }
-  }
+  slime_test::fsdp::copy_expert_slices(full, m);
   return m;
 }
 

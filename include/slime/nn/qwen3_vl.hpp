@@ -279,8 +279,9 @@ class Qwen3VLModel {
 
   // Whether backward runs the tower (default true). Frozen: the tower's
   // parameters get no gradient and its units are not trainable
-  // (nn::Unit::trainable); parallel::Sharded with an optimizer refuses such
-  // units (its optimizer steps every unit).
+  // (nn::Unit::trainable); parallel::Sharded keeps no gradients or optimizer
+  // state for them and its optimizer leaves them as they are. Set it before
+  // wrapping: a wrapper reads units() once.
   void set_vision_trainable(bool trainable) { vision_trainable_ = trainable; }
   bool vision_trainable() const { return vision_trainable_; }
 

@@ -12,7 +12,18 @@
 // (ExpertParallel::gather_expert_stack); rank 0 writes. At most one gathered
 // parameter is alive at a time, so the export never holds the whole model.
 // Works while the model is offloaded (gather_parameter reads the host masters).
+//
+// A Qwen3-VL(-MoE) model (nn::Qwen3VLModel, its tower frozen or not):
+// gather_vl_model gathers it the same way into one unsharded model on rank 0
+// (CPU, every expert), and save_hf_vl writes that with nn::save_hf_vl (the
+// tower's Conv3d shape and the fused experts of transformers' layout). Rank 0
+// then holds the whole model once, in the export dtype.
+//
+//   parallel::save_hf_vl(policy, comm, "out/hf", {.dtype = DType::bf16, .ep = &ep});
 #pragma once
+
+#include <optional>
+#include <unordered_map>
 
 #include <cstdint>
 #include <filesystem>
@@ -25,6 +36,8 @@
 #include "slime/core/tensor.hpp"
 #include "slime/io/safetensors_writer.hpp"
 #include "slime/nn/config.hpp"
+#include "slime/nn/qwen3_vl.hpp"
+#include "slime/nn/qwen3_vl_checkpoint.hpp"
 #include "slime/ops/elementwise.hpp"
 #include "slime/parallel/expert_parallel.hpp"
 #include "slime/parallel/sharded.hpp"
@@ -110,6 +123,55 @@ void save_hf(Sharded<Module, Strategy>& model, comm::Comm& comm, nn::Qwen3Config
   };
   config.torch_dtype = options.dtype;
   io::export_hf_directory(dir, config.to_json(), entries, produce, options.files);
+}
+
+// The whole of a sharded Qwen3-VL model as an unsharded nn::Qwen3VLModel on
+// rank 0 of `comm` (on the CPU, in options.dtype, every expert: no
+// dispatcher), std::nullopt on the other ranks (options.files is not used).
+// Collective over `comm`, as save_hf.
+template <ShardingStrategy Strategy, optim::ShardOptimizer Optimizer>
+std::optional<nn::Qwen3VLModel> gather_vl_model(Sharded<nn::Qwen3VLModel, Strategy, Optimizer>& model, comm::Comm& comm,
+                                                const SaveHfOptions& options = {}) {
+  std::optional<nn::Qwen3VLModel> full;
+  std::unordered_map<std::string, nn::Parameter*> by_name;
+  if (comm.rank() == 0) {
+    full.emplace(model.module().config(), nn::ModuleOptions{Device::cpu(), options.dtype});
+    full->for_each_parameter([&](nn::Parameter& p) { by_name.emplace(p.name, &p); });
+  }
+  for (const std::string& name : model.parameter_names()) {
+    Tensor t = model.gather_parameter(name);  // collective: every rank, every name
+    if (options.ep != nullptr && model.is_expert_parameter(name)) t = options.ep->gather_expert_stack(t);
+    if (comm.rank() != 0) continue;
+    const auto it = by_name.find(name);
+    SLIME_CHECK(it != by_name.end(), "gather_vl_model: the sharded model's parameter '", name,
+                "' is not a parameter of its config's Qwen3VLModel");
+    nn::Parameter& p = *it->second;
+    SLIME_CHECK(t.shape() == p.value.shape(), "gather_vl_model: parameter '", name, "' gathers to shape ", t.shape(),
+                " but the whole model's is ", p.value.shape(),
+                p.is_expert_stack() ? " (an expert stack under expert parallelism: pass options.ep)" : "");
+    const Tensor host = t.to(Device::cpu());
+    if (host.dtype() == p.value.dtype()) {
+      p.value.copy_from(host);
+    } else {
+      ops::cast(host, p.value);
+    }
+    by_name.erase(it);
+  }
+  if (comm.rank() == 0)
+    SLIME_CHECK(by_name.empty(), "gather_vl_model: ", by_name.size(), " parameter(s) of the whole model, e.g. '",
+                by_name.empty() ? std::string() : by_name.begin()->first, "', are not in the sharded model");
+  return full;
+}
+
+// Writes a sharded Qwen3-VL model as the Hugging Face directory `dir`
+// (gather_vl_model, then nn::save_hf_vl on rank 0, its shards above
+// options.files.max_shard_bytes; its metadata and copy_files are not
+// written). Collective over `comm`.
+template <ShardingStrategy Strategy, optim::ShardOptimizer Optimizer>
+void save_hf_vl(Sharded<nn::Qwen3VLModel, Strategy, Optimizer>& model, comm::Comm& comm,
+                const std::filesystem::path& dir, const SaveHfOptions& options = {}) {
+  std::optional<nn::Qwen3VLModel> full = gather_vl_model(model, comm, options);
+  if (full) nn::save_hf_vl(*full, dir, options.files.max_shard_bytes);
 }
 
 }  // namespace slime::parallel

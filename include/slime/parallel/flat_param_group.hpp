@@ -47,11 +47,15 @@ struct FlatParamGroup {
   bool aliased = false;             // gathered buffer = compute shard (shard group of one)
   bool direct_grads = false;        // gradients accumulate straight into the grad shard
   bool separate_compute = false;    // compute shard distinct from the master shard
-  float grad_scale = 1.f;           // applied after the reduction (avg: cp, or cp / ep for expert units)
-  Device device;                    // where the compute shard, gathered buffer and gradients live
+  // false: no gradients and no optimizer state (a frozen unit of a trained
+  // model, nn::Unit::trainable, or any unit of a frozen model): no grad
+  // shard, no full gradient, no reduction.
+  bool trainable = true;
+  float grad_scale = 1.f;  // applied after the reduction (avg: cp, or cp / ep for expert units)
+  Device device;           // where the compute shard, gathered buffer and gradients live
   DType compute_dtype = DType::f32;
   FlatShardLayout layout;
-  Tensor master, compute, grad_shard;  // [shard_numel]; grad_shard undefined for a frozen model
+  Tensor master, compute, grad_shard;  // [shard_numel]; grad_shard undefined when not trainable
   // Pinned: cpu_offload's staging shards (f32, compute dtype), made by
   // Sharded's constructor; with runtime offload alone, the grad and compute
   // shards' copies, made by the first offload (shard_offload.hpp).

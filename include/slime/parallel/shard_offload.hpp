@@ -9,10 +9,11 @@
 // The pinned buffers are allocated by the first offload and reused (onload
 // keeps them). With cpu_offload the master shards and the optimizer state
 // are on the host already (they stay), and the compute and grad shards move
-// into the groups' pinned staging shards. A frozen model (no optimizer that
-// trains) has no grad shards and no state; its masters change only through
-// Sharded::load_parameter, so an offload whose host copies are current
-// copies nothing.
+// into the groups' pinned staging shards. A group that does not train (a
+// frozen unit, or any unit of a frozen model) has no grad shard and no
+// state; its master changes only through Sharded::load_parameter, so an
+// offload whose host copy of it is current does not copy it (a frozen model
+// then copies nothing).
 #pragma once
 
 #include <cstddef>
@@ -31,8 +32,8 @@ class ShardOffload {
   // Device -> pinned host for every group, on `s` (ordered after all work
   // on the buffers), then waits for the copies and frees the device buffers
   // in order on the communication stream `c`. `masters_current`: the host
-  // masters of the last cycle are still equal (frozen models). Returns the
-  // bytes copied.
+  // masters of the last cycle are still equal for the groups that do not
+  // train (nothing but a load changes those). Returns the bytes copied.
   template <optim::ShardOptimizer Optimizer>
   std::size_t offload(std::vector<FlatParamGroup>& groups, Optimizer& optimizer, bool cpu_offload, bool masters_current,
                       const Stream& s, const Stream& c, Event& turn) {
@@ -44,20 +45,23 @@ class ShardOffload {
       host.copy_from(dev, s);
       bytes += dev.nbytes();
     };
-    std::vector<std::pair<std::string, Tensor>> state;  // group i: entries [k i, k i + k)
+    // The t-th trainable group's entries: [k t, k t + k).
+    std::vector<std::pair<std::string, Tensor>> state;
     if (!cpu_offload) state = optimizer.state_tensors();
+    std::size_t t = 0;
     for (std::size_t i = 0; i < groups.size(); ++i) {
       FlatParamGroup& g = groups[i];
       HostCopy& h = host_[i];
-      if (!cpu_offload && !masters_current) down(h.master, g.master);
+      if (!cpu_offload && !(masters_current && !g.trainable && h.master.defined())) down(h.master, g.master);
       if (g.separate_compute) down(g.host_compute, g.compute);
       if (g.grad_shard.defined()) down(g.host_grad, g.grad_shard);
       h.full_grad_offloaded = !g.direct_grads && g.full_grad.defined();
       if (h.full_grad_offloaded) down(h.full_grad, g.full_grad);
-      if (!state.empty()) {
+      if (!state.empty() && g.trainable) {
         h.state.resize(k);
-        for (std::size_t j = 0; j < k; ++j) down(h.state[j], state[k * i + j].second);
+        for (std::size_t j = 0; j < k; ++j) down(h.state[j], state[k * t + j].second);
       }
+      if (g.trainable) ++t;
     }
     state.clear();
     s.synchronize();
@@ -98,7 +102,7 @@ class ShardOffload {
       HostCopy& h = host_[i];
       if (!cpu_offload) g.master = up(h.master, g.device);
       g.compute = g.separate_compute ? up(g.host_compute, g.device) : g.master;
-      if constexpr (Optimizer::trains) g.grad_shard = up(g.host_grad, g.device);
+      if (g.trainable) g.grad_shard = up(g.host_grad, g.device);
       if (g.aliased) {
         g.gathered = g.compute;
         g.install_values();
@@ -113,14 +117,18 @@ class ShardOffload {
       }
       g.gathered_ready.record(c);
       g.grad_ready.record(c);
-      masters.push_back(g.master);
+      if (g.trainable) masters.push_back(g.master);
     }
     if (!cpu_offload) {
       optimizer.init_state(masters, c);  // zero state on the device, overwritten here
       constexpr std::size_t k = Optimizer::state_per_param;
       auto state = optimizer.state_tensors();
-      for (std::size_t i = 0; i < groups.size(); ++i)
-        for (std::size_t j = 0; j < host_[i].state.size(); ++j) state[k * i + j].second.copy_from(host_[i].state[j], c);
+      std::size_t t = 0;  // the trainable groups' index
+      for (std::size_t i = 0; i < groups.size(); ++i) {
+        if (!groups[i].trainable) continue;
+        for (std::size_t j = 0; j < host_[i].state.size(); ++j) state[k * t + j].second.copy_from(host_[i].state[j], c);
+        ++t;
+      }
     }
   }
 

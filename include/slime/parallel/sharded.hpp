@@ -62,6 +62,19 @@
 // only when they changed since the last offload (load_parameter): later
 // cycles free the device memory without copying.
 //
+// Frozen units of a trained model (nn::Unit::trainable == false, e.g. a
+// Qwen3-VL tower after set_vision_trainable(false)): the module's backward
+// leaves their parameters alone, so their backward hooks gather nothing and
+// they get no grad shard, no full gradient and no reduce-scatter; the
+// optimizer holds no state for them and never steps them (its parameter list
+// is the trainable units' masters, in unit order: state_tensors() and
+// unit_trainable(u)); grad_norm and clipping skip them; gather_gradient
+// refuses them. They keep the f32 master shard of the trainable units (one
+// master dtype for gather_parameter, load_parameter and the checkpoints,
+// which hold their masters only). Runtime offload moves their master and
+// compute shards, the master only when load_parameter changed it since the
+// last offload; cpu_offload keeps their master on the host as the others'.
+//
 // Gradient accumulation: set_micro_batches(n) says the next n backward passes
 // form one step. GradientSync::at_end (default) accumulates full fp32
 // gradients locally and reduces once, in the n-th backward;
@@ -295,6 +308,11 @@ class Sharded {
   std::size_t num_units() const { return units_.size(); }
   const std::string& unit_name(std::size_t u) const { return units_.at(u).name; }
   const FlatShardLayout& unit_layout(std::size_t u) const { return units_.at(u).layout; }
+  // Whether unit u trains: it has a grad shard and optimizer state (false
+  // for a unit the module marks not trainable, nn::Unit::trainable, and for
+  // every unit of a frozen model). The optimizer's state_tensors() hold the
+  // trainable units' state, in unit order.
+  bool unit_trainable(std::size_t u) const { return units_.at(u).trainable; }
   // Whether unit u's parameters are gathered (their values are views).
   bool is_gathered(std::size_t u) const { return units_.at(u).gathered.defined(); }
   Optimizer& optimizer() { return optimizer_; }
@@ -311,10 +329,10 @@ class Sharded {
     wait_for_reductions(s);                  // s after the communication stream's work
     if (offload_) params_uploaded_.wait(s);  // the staging shards' last uploads done before they are overwritten
     for (std::size_t i = 0; i < units_.size(); ++i) release_gathered(i, s);
-    // A frozen model's masters change only through load_parameter: the host
+    // Frozen units' masters change only through load_parameter: their host
     // copies of the last cycle are still current unless it was called.
     const std::size_t bytes =
-        host_.offload(units_, optimizer_, offload_, !trains && host_masters_current_, s, comm_stream_, turn_);
+        host_.offload(units_, optimizer_, offload_, host_masters_current_, s, comm_stream_, turn_);
     host_masters_current_ = true;
     // The modules' op workspaces go too (allocated again by the next backward).
     if constexpr (requires(Module & m) { m.for_each_workspace([](Tensor&) {}); }) nn::release_workspaces(module());
@@ -450,6 +468,8 @@ class Sharded {
     check_trains("token_logprobs_backward");
     check_onloaded("token_logprobs_backward");
     check_lm_head("token_logprobs_backward");
+    SLIME_CHECK(units_[lm_head_unit_].trainable, "Sharded::token_logprobs_backward: the LM head's unit '",
+                units_[lm_head_unit_].name, "' is not trainable, but the head's backward accumulates its gradient");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
     ensure_full_grad(lm_head_unit_, s);
@@ -461,19 +481,17 @@ class Sharded {
   // model config's output_router_logits), one backward pass.
   // Batch: the module's (nn::PackedBatch; nn::VLBatch for a Qwen3VLModel).
   template <class Batch = nn::PackedBatch>
-  nn::LossResult loss_and_backward(const Batch& batch, const Tensor& targets, float temperature = 1.f,
-                                   std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
-                                   std::optional<bool> with_aux_loss = std::nullopt)
-    requires nn::CausalLM<Module, Batch>
-  {
+  nn::LossResult loss_and_backward(
+      const Batch& batch, const Tensor& targets, float temperature = 1.f,
+      std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
+      std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module, Batch> {
     return loss_and_backward(batch, targets, Tensor{}, temperature, normalizer, stream, with_aux_loss);
   }
   template <class Batch = nn::PackedBatch>
-  nn::LossResult loss_and_backward(const Batch& batch, const Tensor& targets, const Tensor& loss_weights,
-                                   float temperature = 1.f, std::optional<double> normalizer = std::nullopt,
-                                   const Stream& stream = {}, std::optional<bool> with_aux_loss = std::nullopt)
-    requires nn::CausalLM<Module, Batch>
-  {
+  nn::LossResult loss_and_backward(
+      const Batch& batch, const Tensor& targets, const Tensor& loss_weights, float temperature = 1.f,
+      std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
+      std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module, Batch> {
     check_trains("loss_and_backward");
     check_onloaded("loss_and_backward");
     const Stream s = compute_stream(stream);
@@ -500,6 +518,7 @@ class Sharded {
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
     for (FlatParamGroup& u : units_) {
+      if (!u.trainable) continue;
       if (!u.direct_grads && u.full_grad.defined()) u.release_full_grad(s, comm_stream_);
       u.grad_shard.zero_(s);
     }
@@ -531,8 +550,10 @@ class Sharded {
     wait_for_reductions(s);
     // Gathered parameters go stale with the update.
     for (std::size_t i = 0; i < units_.size(); ++i) release_gathered(i, s);
+    // The trainable units only (frozen ones have no gradient and no state).
     std::vector<Tensor> params, grads = grad_shards(), copies;
     for (FlatParamGroup& u : units_) {
+      if (!u.trainable) continue;
       params.push_back(u.master);
       if (separate_compute_) copies.push_back(u.compute);
     }
@@ -547,16 +568,19 @@ class Sharded {
       // back to the device. Before the CPU writes the staging shards, the
       // previous step's uploads from them must be done (they may have been
       // queued on another stream): wait for those and for the downloads.
-      for (FlatParamGroup& u : units_) u.host_grad.copy_from(u.grad_shard, s);
+      for (FlatParamGroup& u : units_)
+        if (u.trainable) u.host_grad.copy_from(u.grad_shard, s);
       params_uploaded_.synchronize();
       s.synchronize();
       std::vector<Tensor> host_grads, staging;
       for (FlatParamGroup& u : units_) {
+        if (!u.trainable) continue;
         host_grads.push_back(u.host_grad);
         staging.push_back(u.host_compute);
       }
       optimizer_.step(params, host_grads, lr, scale, staging, Stream{});
-      for (FlatParamGroup& u : units_) u.compute.copy_from(u.host_compute, s);
+      for (FlatParamGroup& u : units_)
+        if (u.trainable) u.compute.copy_from(u.host_compute, s);
       params_uploaded_.record(s);
     } else {
       optimizer_.step(params, grads, lr, scale, copies, s);
@@ -627,6 +651,8 @@ class Sharded {
     const Stream s = compute_stream(stream);
     wait_for_reductions(s);
     const auto [u, i] = find(name);
+    SLIME_CHECK(units_[u].trainable, "Sharded::gather_gradient: '", name, "' is in unit '", units_[u].name,
+                "', which is not trainable (nn::Unit::trainable, e.g. a frozen Qwen3-VL tower): it has no gradient");
     return gather_piece(units_[u].grad_shard, u, i, DType::f32, s);
   }
 
@@ -669,13 +695,17 @@ class Sharded {
       const bool keep = trains ? u + 1 == self.units_.size() : u == self.lm_head_unit_;
       if (Strategy::reshard_after_forward && !keep) self.release_gathered(u, stream);
     }
+    // A frozen unit's backward reads none of its parameters (nn::Unit::
+    // trainable: the module leaves them alone, e.g. no tower backward), so
+    // its hooks gather nothing, hold no gradient and reduce nothing.
     void backward_begin(std::size_t u) {
+      if (!self.units_[u].trainable) return;
       self.gather_for_use(u, stream);
-      if (self.options_.prefetch && u > 0) self.issue_gather(u - 1);
+      if (self.options_.prefetch && u > 0 && self.units_[u - 1].trainable) self.issue_gather(u - 1);
       self.ensure_full_grad(u, stream);
     }
     void backward_end(std::size_t u) {
-      if (self.sync_now_) self.reduce(u, stream);
+      if (self.sync_now_ && self.units_[u].trainable) self.reduce(u, stream);
       if (Strategy::reshard_after_backward) self.release_gathered(u, stream);
     }
   };
@@ -779,14 +809,9 @@ class Sharded {
     grads_zeroed_.wait(comm_stream_);
     units_.reserve(units.size());
     for (nn::Unit& su : units) {
-      // The optimizer steps every unit: a frozen part of a trained model
-      // would still move (weight decay), so it is refused rather than
-      // silently trained.
-      SLIME_CHECK(su.trainable || !trains, "Sharded: unit '", su.name,
-                  "' is not trainable (a frozen part of the model, e.g. a Qwen3-VL tower after "
-                  "set_vision_trainable(false)); Sharded with an optimizer trains every unit");
       FlatParamGroup u;
       u.name = su.name;
+      u.trainable = trains && su.trainable;
       u.params = su.params;
       u.group = su.kind;
       const bool expert = su.kind == nn::UnitKind::expert;
@@ -798,7 +823,7 @@ class Sharded {
         u.grad_scale = float(groups.cp) / float(expert ? groups.ep : 1);
       u.aliased = u.shard == nullptr;
       // A unit with a scale keeps a full gradient to scale in its reduction.
-      u.direct_grads = trains && u.shard == nullptr && u.replicate == nullptr && u.grad_scale == 1.f;
+      u.direct_grads = u.trainable && u.shard == nullptr && u.replicate == nullptr && u.grad_scale == 1.f;
       u.separate_compute = separate_compute_;
       u.device = device_;
       u.compute_dtype = compute_dtype_;
@@ -809,13 +834,13 @@ class Sharded {
       if (offload_) {
         u.master = Tensor::empty_pinned({n}, master_dtype_);
         u.master.zero_();
-        u.host_grad = Tensor::empty_pinned({n}, DType::f32);
+        if (u.trainable) u.host_grad = Tensor::empty_pinned({n}, DType::f32);
         u.host_compute = Tensor::empty_pinned({n}, compute_dtype_);
       } else {
         u.master = Tensor::zeros({n}, master_dtype_, device_, comm_stream_);
       }
       u.compute = separate_compute_ ? Tensor::zeros({n}, compute_dtype_, device_, comm_stream_) : u.master;
-      if constexpr (trains) u.grad_shard = Tensor::zeros({n}, DType::f32, device_, comm_stream_);
+      if (u.trainable) u.grad_shard = Tensor::zeros({n}, DType::f32, device_, comm_stream_);
       for (std::size_t i = 0; i < su.params.size(); ++i)
         u.copy_rows(u.layout.entries()[i], su.params[i]->value, comm_stream_);
       u.gathered_ready = Event(device_, false);
@@ -844,9 +869,11 @@ class Sharded {
       }
       u.gathered_ready.record(comm_stream_);
     }
-    // The optimizer's moments now, so a rank's memory is known up front.
+    // The optimizer's moments now, so a rank's memory is known up front
+    // (the trainable units' only).
     std::vector<Tensor> masters;
-    for (const FlatParamGroup& u : units_) masters.push_back(u.master);
+    for (const FlatParamGroup& u : units_)
+      if (u.trainable) masters.push_back(u.master);
     optimizer_.init_state(masters, offload_ ? Stream{} : comm_stream_);
     for (std::size_t i = 0; i < units_.size(); ++i)
       for (std::size_t j = 0; j < units_[i].layout.entries().size(); ++j)
@@ -932,7 +959,8 @@ class Sharded {
     // NoShard with expert units: the dense gradients are replicated, the
     // expert ones differ across ep.
     std::vector<Tensor> dense, expert;
-    for (const FlatParamGroup& u : units_) (u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
+    for (const FlatParamGroup& u : units_)
+      if (u.trainable) (u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
     const double d = optim::global_grad_norm(dense, shard_comm_, s);
     const double e = optim::global_grad_norm(expert, expert_norm_comm_, s);
     return std::sqrt(d * d + e * e);
@@ -999,7 +1027,8 @@ class Sharded {
 
   std::vector<Tensor> grad_shards() const {
     std::vector<Tensor> g;
-    for (const FlatParamGroup& u : units_) g.push_back(u.grad_shard);
+    for (const FlatParamGroup& u : units_)
+      if (u.trainable) g.push_back(u.grad_shard);
     return g;
   }
 
@@ -1028,7 +1057,7 @@ class Sharded {
   Event params_uploaded_;  // cpu_offload: the last uploads from the staging shards
   Event turn_;             // offload / onload: ordering between the caller's and the communication stream
   bool offloaded_ = false;
-  bool host_masters_current_ = false;  // the host masters of runtime offload equal the masters (frozen models)
+  bool host_masters_current_ = false;  // the host masters of runtime offload equal the masters (frozen units)
   std::size_t transfer_bytes_ = 0;
   int micro_batches_ = 1, micro_batch_ = 0;
   bool sync_now_ = true;

@@ -11,7 +11,14 @@
 //   P/exp_avg       AdamW's first moment
 //   P/exp_avg_sq    AdamW's second moment
 // and, in metadata.json, the caller's JSON plus "adamw_steps" (the
-// optimizer's step count; the key is reserved). A frozen Sharded (an
+// optimizer's step count; the key is reserved). A frozen unit of a trained
+// model (Sharded::unit_trainable false, e.g. a Qwen3-VL tower after
+// set_vision_trainable(false)) has P only: no optimizer state exists for it.
+// Its masters are still saved (rather than read back from the HF directory
+// the run started from) so that a checkpoint alone restores the model, and a
+// load checks them like any other tensor; the cost is 4 bytes per frozen
+// parameter once per checkpoint. A model that freezes a unit it trained when
+// saving (or the reverse) does not load: its tensors differ. A frozen Sharded (an
 // optimizer that does not train) has no training state: it is refused at
 // compile time (export its weights with gather_parameter). Expert stacks are saved in whole-stack
 // coordinates: the full tensor is [E, ...] with E every expert of the model
@@ -108,8 +115,10 @@ std::vector<ShardedStatePiece> sharded_state_pieces(S& sh, const char* where) {
   SLIME_CHECK(!sh.offloaded(), where, ": Sharded is offloaded: call onload() first (the AdamW moments are in ",
               "offload buffers)");
   const std::vector<std::pair<std::string, Tensor>> moments = sh.optimizer().state_tensors();
-  SLIME_CHECK(moments.size() == k * sh.num_units(), where, ": the optimizer holds ", moments.size(),
-              " state tensors for ", sh.num_units(), " sharding units (expected ", k, " per unit)");
+  std::size_t trainable = 0;
+  for (std::size_t u = 0; u < sh.num_units(); ++u) trainable += sh.unit_trainable(u) ? 1 : 0;
+  SLIME_CHECK(moments.size() == k * trainable, where, ": the optimizer holds ", moments.size(), " state tensors for ",
+              trainable, " trainable sharding units (expected ", k, " per unit)");
   // "<kind>.<unit>" -> "<kind>"
   std::vector<std::string> kinds;
   for (std::size_t j = 0; j < k && j < moments.size(); ++j) {
@@ -145,17 +154,22 @@ std::vector<ShardedStatePiece> sharded_state_pieces(S& sh, const char* where) {
   });
   // The same order: unit by unit, entry by entry. The moments are laid out as
   // the master shard ([shard_numel] per unit).
-  std::size_t i = 0;
+  // A frozen unit (Sharded::unit_trainable) has no state: its pieces are
+  // masters only, and the t-th trainable unit's state is entries [k t, k t + k).
+  std::size_t i = 0, t = 0;
   for (std::size_t u = 0; u < sh.num_units(); ++u) {
     const bool writes = sh.unit_replicate_rank(u) == 0;
+    const bool trains = sh.unit_trainable(u);
     for (const FlatShardEntry& e : sh.unit_layout(u).entries()) {
       SLIME_CHECK(i < pieces.size() && pieces[i].name == e.name, where, ": parameter order mismatch at '", e.name, "'");
       ShardedStatePiece& p = pieces[i++];
       const Shape n{p.end - p.begin};
-      for (std::size_t j = 0; j < k; ++j)
-        p.state.emplace_back(p.name + "/" + kinds[j], moments[k * u + j].second.view(e.shard_offset, n));
+      if (trains)
+        for (std::size_t j = 0; j < k; ++j)
+          p.state.emplace_back(p.name + "/" + kinds[j], moments[k * t + j].second.view(e.shard_offset, n));
       p.writes = writes;
     }
+    if (trains) ++t;
   }
   SLIME_CHECK(i == pieces.size(), where, ": ", pieces.size(), " local shards but ", i, " layout entries");
   return pieces;
