@@ -39,7 +39,8 @@
 //      PackStats say which method each rank used.
 //      A rank with fewer samples than the agreed count gets empty micro-batches
 //      (zero tokens): it must still run them, to match its peers' collectives.
-//   4. Micro-batches of a rank are ordered by padded tokens, largest first
+//   4. Micro-batches of a rank are ordered by padded tokens (plus image
+//      patches, see below), largest first
 //      (ties: lowest first sample), so the i-th micro-batches of all ranks are
 //      alike in size; samples inside one are in ascending index order.
 //
@@ -395,9 +396,10 @@ inline PackPlan plan(const PackConfig& config, std::span<const int64_t> lengths,
               " group indices for ", lengths.size(), " samples");
   const bool images = detail::check_image_patches(lengths, image_patches);
   const std::vector<int64_t> padded = detail::padded_lengths(config, lengths);
-  const std::vector<int64_t> image_cost = images ? detail::image_costs(config, lengths, padded, image_patches)
-                                                 : std::vector<int64_t>{};
-  const std::span<const int64_t> cost = images ? std::span<const int64_t>(image_cost) : std::span<const int64_t>(padded);
+  const std::vector<int64_t> image_cost =
+      images ? detail::image_costs(config, lengths, padded, image_patches) : std::vector<int64_t>{};
+  const std::span<const int64_t> cost =
+      images ? std::span<const int64_t>(image_cost) : std::span<const int64_t>(padded);
   PackPlan result;
   result.config = config;
   const int k = config.dp_size;
@@ -526,8 +528,7 @@ inline std::vector<MicroBatchPlan> split_micro_batches(const PackConfig& config,
   const Partition p = detail::balance_micro_batches(
       config, detail::RankLengths(config, images ? std::span<const int64_t>(cost) : padded, images), count, m);
   if (method != nullptr) *method = m;
-  return detail::to_micro_batches(config, p, {}, lengths, padded,
-                                  images ? image_patches : std::span<const int64_t>{});
+  return detail::to_micro_batches(config, p, {}, lengths, padded, images ? image_patches : std::span<const int64_t>{});
 }
 inline std::vector<MicroBatchPlan> split_micro_batches(const PackConfig& config, std::span<const int64_t> lengths,
                                                        int count, BalanceMethod* method = nullptr) {

@@ -46,11 +46,11 @@ struct Sample {
   std::vector<float> rollout_log_probs;  // [response_length] or empty
   int64_t group_index = -1;              // -1: in a group of its own
   std::vector<std::string> images;       // image paths
+  nlohmann::json metadata;               // null when absent
   // Vision-tower rows of the images once preprocessed (sum of their
   // GridTHW::patches()); the packer counts them in the token budget. Set by
   // the trainer after preprocessing; not part of the JSONL form.
   int64_t image_patches = 0;
-  nlohmann::json metadata;               // null when absent
 
   int64_t length() const { return int64_t(tokens.size()); }
   int64_t prompt_length() const { return length() - response_length; }
