@@ -31,7 +31,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const fs::path kVlModel = SLIME_TEST_VL_MODEL;      // tests/nn/data/qwen3_vl_tiny (no preprocessor config)
+const fs::path kVlModel = SLIME_TEST_VL_MODEL;  // tests/nn/data/qwen3_vl_tiny (no preprocessor config)
+const fs::path kVlMoeModel = fs::path(SLIME_TEST_VL_MODEL).parent_path() / "qwen3_vl_moe_tiny";
 const fs::path kTextModel = SLIME_TEST_TEXT_MODEL;  // tests/nn/data/qwen3_tiny
 const fs::path kImages = SLIME_TEST_IMAGES;         // tests/data/fixtures/images
 const std::string kTool = SLIME_LOGPROBS;
@@ -78,11 +79,12 @@ Run run_tool(const fs::path& dir, const std::string& args) {
   return r;
 }
 
-// A checkpoint directory: the tiny VL model's files, plus a preprocessor
-// config when given.
-fs::path vl_checkpoint(const fs::path& dir, const std::string& preprocessor_config = {}) {
+// A checkpoint directory: a tiny VL model's files, plus a preprocessor config
+// when given.
+fs::path vl_checkpoint(const fs::path& dir, const std::string& preprocessor_config = {},
+                       const fs::path& source = kVlModel) {
   fs::create_directories(dir);
-  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(kVlModel / f, dir / f);
+  for (const char* f : {"config.json", "model.safetensors"}) fs::copy_file(source / f, dir / f);
   if (!preprocessor_config.empty()) write(dir / "preprocessor_config.json", preprocessor_config);
   return dir;
 }
@@ -180,6 +182,14 @@ TEST_CASE("slime-logprobs --jsonl with images equals Qwen3VLModel on the preproc
   REQUIRE(single.status == 0);
   const std::string first = expected_output(model, {lines[0]}, jsonl.string());
   CHECK(single.out.substr(0, first.size()) == first);
+
+  // Qwen3-VL-MoE (model_type qwen3_vl_moe) likewise.
+  const fs::path moe = vl_checkpoint(tmp.path / "moe", kSmallPreprocessor, kVlMoeModel);
+  const Run m = run_tool(tmp.path, fmt::format("--model '{}' --jsonl '{}'", moe.string(), jsonl.string()));
+  INFO(m.err);
+  REQUIRE(m.status == 0);
+  CHECK(m.out == expected_output(moe, lines, jsonl.string()));
+  CHECK(m.out != r.out);
 }
 
 TEST_CASE("slime-logprobs --jsonl without a preprocessor config uses the Qwen3-VL defaults") {
