@@ -39,12 +39,32 @@
 //      PackStats say which method each rank used.
 //      A rank with fewer samples than the agreed count gets empty micro-batches
 //      (zero tokens): it must still run them, to match its peers' collectives.
-//   4. Micro-batches of a rank are ordered by padded tokens, largest first
+//   4. Micro-batches of a rank are ordered by padded tokens (plus image
+//      patches, see below), largest first
 //      (ties: lowest first sample), so the i-th micro-batches of all ranks are
 //      alike in size; samples inside one are in ascending index order.
 //
 // Padding happens only where alignment is asked for, and the budget counts it:
 // a micro-batch's padded total never exceeds max_tokens_per_gpu.
+//
+// Images (vision-language samples). A sample's images reach the vision tower
+// as rows of pixel_values, one per patch (data::GridTHW::patches(), summed
+// over the sample's images), and those rows share the micro-batch's memory
+// with the tokens. So a sample's cost is its (padded) tokens plus its image
+// patches: Sample::image_patches (set after preprocessing; plan(samples)
+// reads it), or an image_patches vector beside the lengths (plan,
+// local_micro_batch_count, split_micro_batches). Every step above weighs
+// samples by that cost: rank balance, the first-fit count, micro-batch
+// balance and the largest-first order. The budget holds
+//   round_up(padded tokens, pad_micro_batch_to) + image patches
+//     <= max_tokens_per_gpu
+// for every micro-batch, and a sample whose cost alone exceeds it is an error.
+// With images the partitioners take the capacity max_tokens_per_gpu -
+// (pad_micro_batch_to - 1): the token padding of a micro-batch is not known
+// until its samples are, and that slack bounds it (pad_micro_batch_to = 1:
+// exact). MicroBatchPlan, RankPlan, MicroBatch and PackStats report tokens
+// and image patches apart. Without image patches (all zero, or the vector
+// empty) nothing above changes: text-only plans are exactly as before.
 #pragma once
 
 #include <algorithm>
@@ -105,12 +125,17 @@ struct MicroBatchPlan {
   std::vector<int32_t> samples;  // sample indices, ascending
   int64_t tokens = 0;            // real tokens
   int64_t padded_tokens = 0;     // tokens after alignment padding: what the micro-batch holds
+  int64_t image_patches = 0;     // vision-tower rows of the samples' images
+
+  // What the token budget counts: padded tokens plus image patches.
+  int64_t cost() const { return padded_tokens + image_patches; }
 };
 
 struct RankPlan {
   std::vector<int32_t> samples;  // every sample of this rank in this step, ascending
   std::vector<MicroBatchPlan> micro_batches;
-  int64_t tokens = 0;  // real tokens
+  int64_t tokens = 0;         // real tokens
+  int64_t image_patches = 0;  //
   BalanceMethod method = BalanceMethod::karmarkar_karp;
 };
 
@@ -132,6 +157,8 @@ struct PackStats {
   int64_t micro_batches = 0;  // over all steps and ranks
   int64_t empty_micro_batches = 0;
   int64_t max_micro_batch_tokens = 0;  // padded
+  int64_t image_patches = 0;           // all micro-batches
+  int64_t max_micro_batch_cost = 0;    // padded tokens + image patches
   // Ranks whose micro-batches fell back from Karmarkar–Karp (BalanceMethod).
   int64_t lpt_fallbacks = 0;
   int64_t first_fit_fallbacks = 0;
@@ -170,6 +197,29 @@ inline int64_t effective_budget(const PackConfig& c) {
   return c.max_tokens_per_gpu / c.pad_micro_batch_to * c.pad_micro_batch_to;
 }
 
+// Whether any sample has image patches (empty: none); checks them.
+inline bool check_image_patches(std::span<const int64_t> lengths, std::span<const int64_t> image_patches) {
+  SLIME_CHECK(image_patches.empty() || image_patches.size() == lengths.size(), "Packer: ", image_patches.size(),
+              " image patch counts for ", lengths.size(), " samples");
+  bool any = false;
+  for (std::size_t i = 0; i < image_patches.size(); ++i) {
+    SLIME_CHECK(image_patches[i] >= 0, "Packer: sample ", i, " has ", image_patches[i],
+                " image patches; expected >= 0");
+    SLIME_CHECK(image_patches[i] <= std::numeric_limits<int32_t>::max(), "Packer: sample ", i, " has ",
+                image_patches[i], " image patches, more than int32 hold");
+    any = any || image_patches[i] > 0;
+  }
+  return any;
+}
+
+// The capacity the partitioners pack costs into. Text only: the largest
+// unpadded total whose padded total fits (effective_budget). With images,
+// cost = padded tokens + patches and the micro-batch's token padding (at most
+// pad_micro_batch_to - 1) is reserved; see "Images" at the top.
+inline int64_t cost_capacity(const PackConfig& c, bool images) {
+  return images ? c.max_tokens_per_gpu - (c.pad_micro_batch_to - 1) : effective_budget(c);
+}
+
 // Lengths after per-sequence padding; checks each sample (positive length,
 // within the budget) and names the offender.
 inline std::vector<int64_t> padded_lengths(const PackConfig& c, std::span<const int64_t> lengths) {
@@ -197,36 +247,65 @@ inline std::vector<int64_t> padded_lengths(const PackConfig& c, std::span<const 
   return out;
 }
 
-// One rank's (padded) lengths, their descending order (computed once for
-// every algorithm below) and, in budget mode, their first-fit packing.
+// Costs (padded length + image patches) with images; checks that each sample
+// alone fits the budget: round_up(padded, pad_micro_batch_to) + patches <=
+// max_tokens_per_gpu, and its cost within the reserved capacity.
+inline std::vector<int64_t> image_costs(const PackConfig& c, std::span<const int64_t> lengths,
+                                        std::span<const int64_t> padded, std::span<const int64_t> image_patches) {
+  std::vector<int64_t> out(padded.size());
+  const int64_t capacity = c.max_tokens_per_gpu > 0 ? cost_capacity(c, true) : 0;
+  for (std::size_t i = 0; i < padded.size(); ++i) {
+    out[i] = padded[i] + image_patches[i];
+    if (capacity == 0) continue;
+    const int64_t alone = round_up(padded[i], c.pad_micro_batch_to) + image_patches[i];
+    SLIME_CHECK(alone <= c.max_tokens_per_gpu, "Packer: sample ", i, " has ", lengths[i], " tokens (", padded[i],
+                " padded) and ", image_patches[i], " image patches, ", alone,
+                " together, more than max_tokens_per_gpu = ", c.max_tokens_per_gpu,
+                "; raise the budget, shrink the images (max_pixels) or drop the sample");
+    SLIME_CHECK(out[i] <= capacity, "Packer: sample ", i, " has ", lengths[i], " tokens (", padded[i], " padded) and ",
+                image_patches[i], " image patches, ", out[i], " together, more than the ", capacity,
+                " that max_tokens_per_gpu = ", c.max_tokens_per_gpu, " leaves with images after reserving ",
+                c.pad_micro_batch_to - 1, " tokens for the padding to pad_micro_batch_to = ", c.pad_micro_batch_to);
+  }
+  return out;
+}
+
+// One rank's costs (padded lengths, plus image patches with images), their
+// descending order (computed once for every algorithm below) and, in budget
+// mode, their first-fit packing.
 struct RankLengths {
-  std::span<const int64_t> padded;
+  std::span<const int64_t> cost;
+  int64_t capacity = 0;  // budget mode only
   std::vector<int32_t> order;
   Partition ffd;  // budget mode only
 
-  RankLengths(const PackConfig& c, std::span<const int64_t> p) : padded(p), order(order_by_weight_desc(p)) {
-    if (c.max_tokens_per_gpu > 0) ffd = detail::ffd(padded, order, effective_budget(c));
+  RankLengths(const PackConfig& c, std::span<const int64_t> w, bool images = false)
+      : cost(w), order(order_by_weight_desc(w)) {
+    if (c.max_tokens_per_gpu > 0) {
+      capacity = cost_capacity(c, images);
+      ffd = detail::ffd(cost, order, capacity);
+    }
   }
 
   // The fewest micro-batches these samples need.
   int count(const PackConfig& c) const {
-    if (padded.empty()) return 0;
-    if (c.micro_batch_size > 0) return int((int64_t(padded.size()) + c.micro_batch_size - 1) / c.micro_batch_size);
+    if (cost.empty()) return 0;
+    if (c.micro_batch_size > 0) return int((int64_t(cost.size()) + c.micro_batch_size - 1) / c.micro_batch_size);
     return ffd.size();
   }
 };
 
-// `count` micro-batches over one rank's lengths; indices are positions in
-// r.padded. See step 3 at the top of the file.
+// `count` micro-batches over one rank's costs; indices are positions in
+// r.cost. See step 3 at the top of the file.
 inline Partition balance_micro_batches(const PackConfig& c, const RankLengths& r, int count, BalanceMethod& method) {
   method = BalanceMethod::karmarkar_karp;
-  SLIME_CHECK(count >= r.count(c), "Packer: ", count, " micro-batches requested, but the ", r.padded.size(),
+  SLIME_CHECK(count >= r.count(c), "Packer: ", count, " micro-batches requested, but the ", r.cost.size(),
               " samples need ", r.count(c), "; agree on the largest local_micro_batch_count");
-  if (c.micro_batch_size > 0) return kk(r.padded, r.order, count, /*equal_size=*/true);
-  const int64_t budget = effective_budget(c);
-  Partition balanced = kk(r.padded, r.order, count, /*equal_size=*/false);
+  if (c.micro_batch_size > 0) return kk(r.cost, r.order, count, /*equal_size=*/true);
+  const int64_t budget = r.capacity;
+  Partition balanced = kk(r.cost, r.order, count, /*equal_size=*/false);
   if (balanced.max_sum() <= budget) return balanced;
-  if (auto by_lpt = lpt(r.padded, r.order, count, budget)) {
+  if (auto by_lpt = lpt(r.cost, r.order, count, budget)) {
     method = BalanceMethod::lpt_with_capacity;
     return std::move(*by_lpt);
   }
@@ -238,10 +317,12 @@ inline Partition balance_micro_batches(const PackConfig& c, const RankLengths& r
 }
 
 // Micro-batch plans from a partition: indices mapped through `ids`, ordered
-// largest first (ties: lowest first sample; empty ones last).
+// largest cost first (ties: lowest first sample; empty ones last).
+// image_patches: empty, or per local index.
 inline std::vector<MicroBatchPlan> to_micro_batches(const PackConfig& c, const Partition& p,
                                                     std::span<const int32_t> ids, std::span<const int64_t> lengths,
-                                                    std::span<const int64_t> padded) {
+                                                    std::span<const int64_t> padded,
+                                                    std::span<const int64_t> image_patches = {}) {
   std::vector<MicroBatchPlan> out(p.parts.size());
   for (std::size_t b = 0; b < p.parts.size(); ++b) {
     int64_t padded_sum = 0;
@@ -249,12 +330,13 @@ inline std::vector<MicroBatchPlan> to_micro_batches(const PackConfig& c, const P
       out[b].samples.push_back(ids.empty() ? local : ids[std::size_t(local)]);
       out[b].tokens += lengths[std::size_t(local)];
       padded_sum += padded[std::size_t(local)];
+      if (!image_patches.empty()) out[b].image_patches += image_patches[std::size_t(local)];
     }
     std::sort(out[b].samples.begin(), out[b].samples.end());
     out[b].padded_tokens = round_up(padded_sum, c.pad_micro_batch_to);
   }
   std::sort(out.begin(), out.end(), [](const MicroBatchPlan& a, const MicroBatchPlan& b) {
-    if (a.padded_tokens != b.padded_tokens) return a.padded_tokens > b.padded_tokens;
+    if (a.cost() != b.cost()) return a.cost() > b.cost();
     if (a.samples.empty() || b.samples.empty()) return !a.samples.empty() && b.samples.empty();
     return a.samples.front() < b.samples.front();
   });
@@ -303,15 +385,21 @@ inline std::vector<std::vector<int32_t>> split_steps(const PackConfig& c, int32_
 }  // namespace detail
 
 // The plan for one global batch: lengths[i] = tokens of sample i (prompt +
-// response); group_index empty or one per sample (-1: no group). Throws on a
-// length <= 0, a sample over the budget, or a step with fewer samples than
-// dp_size.
+// response); group_index empty or one per sample (-1: no group);
+// image_patches empty or one per sample (vision-tower rows of its images, see
+// "Images" at the top). Throws on a length <= 0, a negative patch count, a
+// sample over the budget, or a step with fewer samples than dp_size.
 inline PackPlan plan(const PackConfig& config, std::span<const int64_t> lengths,
-                     std::span<const int64_t> group_index = {}) {
+                     std::span<const int64_t> group_index = {}, std::span<const int64_t> image_patches = {}) {
   detail::check_config(config);
   SLIME_CHECK(group_index.empty() || group_index.size() == lengths.size(), "Packer: ", group_index.size(),
               " group indices for ", lengths.size(), " samples");
+  const bool images = detail::check_image_patches(lengths, image_patches);
   const std::vector<int64_t> padded = detail::padded_lengths(config, lengths);
+  const std::vector<int64_t> image_cost =
+      images ? detail::image_costs(config, lengths, padded, image_patches) : std::vector<int64_t>{};
+  const std::span<const int64_t> cost =
+      images ? std::span<const int64_t>(image_cost) : std::span<const int64_t>(padded);
   PackPlan result;
   result.config = config;
   const int k = config.dp_size;
@@ -325,7 +413,7 @@ inline PackPlan plan(const PackConfig& config, std::span<const int64_t> lengths,
     // Ranks: balanced parts of the step's samples.
     if (config.balance_dp) {
       std::vector<int64_t> w(step.samples.size());
-      for (std::size_t j = 0; j < w.size(); ++j) w[j] = padded[std::size_t(step.samples[j])];
+      for (std::size_t j = 0; j < w.size(); ++j) w[j] = cost[std::size_t(step.samples[j])];
       const Partition parts = karmarkar_karp(w, k, /*equal_size=*/config.micro_batch_size > 0);
       for (int r = 0; r < k; ++r)
         for (int32_t j : parts.parts[std::size_t(r)])
@@ -337,8 +425,11 @@ inline PackPlan plan(const PackConfig& config, std::span<const int64_t> lengths,
                                                   step.samples.begin() + std::ptrdiff_t(m * std::size_t(r + 1) / k));
     }
     // Micro-batches: count agreed over the step's ranks, then balanced.
+    // With images, rank_cost and rank_patches are filled too; without, the
+    // cost is the padded length.
     std::vector<std::vector<int64_t>> rank_padded(static_cast<std::size_t>(k)),
-        rank_lengths(static_cast<std::size_t>(k));
+        rank_lengths(static_cast<std::size_t>(k)), rank_cost(static_cast<std::size_t>(k)),
+        rank_patches(static_cast<std::size_t>(k));
     std::vector<detail::RankLengths> rank_info;
     rank_info.reserve(std::size_t(k));
     for (int r = 0; r < k; ++r) {
@@ -347,16 +438,21 @@ inline PackPlan plan(const PackConfig& config, std::span<const int64_t> lengths,
         rank_padded[std::size_t(r)].push_back(padded[std::size_t(i)]);
         rank_lengths[std::size_t(r)].push_back(lengths[std::size_t(i)]);
         rank.tokens += lengths[std::size_t(i)];
+        if (images) {
+          rank_cost[std::size_t(r)].push_back(cost[std::size_t(i)]);
+          rank_patches[std::size_t(r)].push_back(image_patches[std::size_t(i)]);
+          rank.image_patches += image_patches[std::size_t(i)];
+        }
       }
-      rank_info.emplace_back(config, rank_padded[std::size_t(r)]);
+      rank_info.emplace_back(config, images ? rank_cost[std::size_t(r)] : rank_padded[std::size_t(r)], images);
       step.micro_batches_per_rank = std::max(step.micro_batches_per_rank, rank_info.back().count(config));
     }
     for (int r = 0; r < k; ++r) {
       RankPlan& rank = step.ranks[std::size_t(r)];
       const Partition p =
           detail::balance_micro_batches(config, rank_info[std::size_t(r)], step.micro_batches_per_rank, rank.method);
-      rank.micro_batches =
-          detail::to_micro_batches(config, p, rank.samples, rank_lengths[std::size_t(r)], rank_padded[std::size_t(r)]);
+      rank.micro_batches = detail::to_micro_batches(config, p, rank.samples, rank_lengths[std::size_t(r)],
+                                                    rank_padded[std::size_t(r)], rank_patches[std::size_t(r)]);
     }
     result.steps.push_back(std::move(step));
   }
@@ -373,6 +469,8 @@ inline PackPlan plan(const PackConfig& config, std::span<const int64_t> lengths,
         st.real_tokens += mb.tokens;
         st.padded_tokens += mb.padded_tokens;
         st.max_micro_batch_tokens = std::max(st.max_micro_batch_tokens, mb.padded_tokens);
+        st.image_patches += mb.image_patches;
+        st.max_micro_batch_cost = std::max(st.max_micro_batch_cost, mb.cost());
         int64_t longest = 0;
         for (int32_t i : mb.samples) longest = std::max(longest, lengths[std::size_t(i)]);
         st.pad_to_longest_tokens += longest * int64_t(mb.samples.size());
@@ -387,14 +485,15 @@ inline PackPlan plan(const PackConfig& config, std::span<const int64_t> lengths,
   return result;
 }
 
-// plan() over samples: their lengths and group indices.
+// plan() over samples: their lengths, group indices and image patches.
 inline PackPlan plan(const PackConfig& config, std::span<const Sample> samples) {
-  std::vector<int64_t> lengths(samples.size()), groups(samples.size());
+  std::vector<int64_t> lengths(samples.size()), groups(samples.size()), patches(samples.size());
   for (std::size_t i = 0; i < samples.size(); ++i) {
     lengths[i] = samples[i].length();
     groups[i] = samples[i].group_index;
+    patches[i] = samples[i].image_patches;
   }
-  return plan(config, lengths, groups);
+  return plan(config, lengths, groups, patches);
 }
 
 // ---- per-rank path (each rank knows only its own samples) -------------------
@@ -402,24 +501,38 @@ inline PackPlan plan(const PackConfig& config, std::span<const Sample> samples) 
 // The fewest micro-batches this rank's samples need (first-fit decreasing
 // under the budget, or ceil(n / micro_batch_size)). Agree on the maximum over
 // ranks (agree_micro_batch_count) before split_micro_batches.
-inline int local_micro_batch_count(const PackConfig& config, std::span<const int64_t> lengths) {
+// image_patches: empty, or one per sample (see "Images" at the top).
+inline int local_micro_batch_count(const PackConfig& config, std::span<const int64_t> lengths,
+                                   std::span<const int64_t> image_patches = {}) {
   detail::check_config(config);
+  const bool images = detail::check_image_patches(lengths, image_patches);
   const std::vector<int64_t> padded = detail::padded_lengths(config, lengths);
-  return detail::RankLengths(config, padded).count(config);
+  if (!images) return detail::RankLengths(config, padded).count(config);
+  const std::vector<int64_t> cost = detail::image_costs(config, lengths, padded, image_patches);
+  return detail::RankLengths(config, cost, true).count(config);
 }
 
 // This rank's samples in exactly `count` micro-batches (count >=
 // local_micro_batch_count), balanced as plan() does; sample indices are
-// positions in `lengths`.
+// positions in `lengths`. image_patches: empty, or one per sample.
 inline std::vector<MicroBatchPlan> split_micro_batches(const PackConfig& config, std::span<const int64_t> lengths,
-                                                       int count, BalanceMethod* method = nullptr) {
+                                                       std::span<const int64_t> image_patches, int count,
+                                                       BalanceMethod* method = nullptr) {
   detail::check_config(config);
   SLIME_CHECK(count >= 1, "split_micro_batches: count must be >= 1, got ", count);
+  const bool images = detail::check_image_patches(lengths, image_patches);
   const std::vector<int64_t> padded = detail::padded_lengths(config, lengths);
+  const std::vector<int64_t> cost =
+      images ? detail::image_costs(config, lengths, padded, image_patches) : std::vector<int64_t>{};
   BalanceMethod m;
-  const Partition p = detail::balance_micro_batches(config, detail::RankLengths(config, padded), count, m);
+  const Partition p = detail::balance_micro_batches(
+      config, detail::RankLengths(config, images ? std::span<const int64_t>(cost) : padded, images), count, m);
   if (method != nullptr) *method = m;
-  return detail::to_micro_batches(config, p, {}, lengths, padded);
+  return detail::to_micro_batches(config, p, {}, lengths, padded, images ? image_patches : std::span<const int64_t>{});
+}
+inline std::vector<MicroBatchPlan> split_micro_batches(const PackConfig& config, std::span<const int64_t> lengths,
+                                                       int count, BalanceMethod* method = nullptr) {
+  return split_micro_batches(config, lengths, {}, count, method);
 }
 
 // ---- packing ----------------------------------------------------------------
@@ -449,6 +562,7 @@ struct MicroBatch {
   std::vector<int32_t> response_lengths;  // [S]
   int32_t max_seqlen = 0;                 // longest cu_seqlens segment
   int64_t padding_tokens = 0;
+  int64_t image_patches = 0;  // the samples' Sample::image_patches, summed (not in the tensors)
 
   int64_t num_tokens() const { return int64_t(tokens.size()); }
   int num_sequences() const { return int(sample_index.size()); }
@@ -475,7 +589,10 @@ inline MicroBatch pack_micro_batch(const PackConfig& config, const MicroBatchPla
   for (int32_t i : mb.samples) {
     SLIME_CHECK(i >= 0 && std::size_t(i) < samples.size(), "pack_micro_batch: sample index ", i, " out of range for ",
                 samples.size(), " samples");
-    total += detail::round_up(samples[std::size_t(i)].length(), config.pad_sequence_to);
+    const Sample& s = samples[std::size_t(i)];
+    SLIME_CHECK(s.image_patches >= 0, "pack_micro_batch: sample ", i, " has ", s.image_patches, " image patches");
+    total += detail::round_up(s.length(), config.pad_sequence_to);
+    out.image_patches += s.image_patches;
   }
   const int64_t padded_total = detail::round_up(total, config.pad_micro_batch_to);
   SLIME_CHECK(padded_total <= std::numeric_limits<int32_t>::max(), "pack_micro_batch: ", padded_total,
@@ -483,8 +600,14 @@ inline MicroBatch pack_micro_batch(const PackConfig& config, const MicroBatchPla
   SLIME_CHECK(mb.padded_tokens == 0 || mb.padded_tokens == padded_total, "pack_micro_batch: the samples pack to ",
               padded_total, " tokens but the plan expects ", mb.padded_tokens,
               "; their lengths differ from those the plan was made from");
+  SLIME_CHECK(mb.padded_tokens == 0 || mb.image_patches == out.image_patches, "pack_micro_batch: the samples have ",
+              out.image_patches, " image patches but the plan counted ", mb.image_patches,
+              "; make the plan from these samples (Sample::image_patches) or their image_patches");
   SLIME_CHECK(config.max_tokens_per_gpu == 0 || padded_total <= config.max_tokens_per_gpu,
               "pack_micro_batch: ", padded_total, " tokens exceed max_tokens_per_gpu = ", config.max_tokens_per_gpu);
+  SLIME_CHECK(config.max_tokens_per_gpu == 0 || padded_total + out.image_patches <= config.max_tokens_per_gpu,
+              "pack_micro_batch: ", padded_total, " tokens and ", out.image_patches, " image patches (",
+              padded_total + out.image_patches, ") exceed max_tokens_per_gpu = ", config.max_tokens_per_gpu);
   out.tokens.reserve(std::size_t(padded_total));
   out.positions.reserve(std::size_t(padded_total));
   out.loss_mask.reserve(std::size_t(padded_total));
@@ -557,8 +680,9 @@ class Packer {
   explicit Packer(PackConfig config) : config_(config) { detail::check_config(config_); }
 
   const PackConfig& config() const { return config_; }
-  PackPlan plan(std::span<const int64_t> lengths, std::span<const int64_t> group_index = {}) const {
-    return data::plan(config_, lengths, group_index);
+  PackPlan plan(std::span<const int64_t> lengths, std::span<const int64_t> group_index = {},
+                std::span<const int64_t> image_patches = {}) const {
+    return data::plan(config_, lengths, group_index, image_patches);
   }
   PackPlan plan(std::span<const Sample> samples) const { return data::plan(config_, samples); }
   MicroBatch pack(const MicroBatchPlan& mb, std::span<const Sample> samples) const {

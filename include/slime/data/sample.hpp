@@ -14,7 +14,8 @@
 //   reward             number  optional
 //   rollout_log_probs  [number] optional, one per response token
 //   group_index        int     optional, >= 0: samples of one prompt share it
-//   images             [string] optional image paths (as written)
+//   images             [string] optional image paths (as written); once they
+//                              are preprocessed, set Sample::image_patches
 //   metadata           any     optional, kept as JSON
 #pragma once
 
@@ -46,6 +47,10 @@ struct Sample {
   int64_t group_index = -1;              // -1: in a group of its own
   std::vector<std::string> images;       // image paths
   nlohmann::json metadata;               // null when absent
+  // Vision-tower rows of the images once preprocessed (sum of their
+  // GridTHW::patches()); the packer counts them in the token budget. Set by
+  // the trainer after preprocessing; not part of the JSONL form.
+  int64_t image_patches = 0;
 
   int64_t length() const { return int64_t(tokens.size()); }
   int64_t prompt_length() const { return length() - response_length; }
