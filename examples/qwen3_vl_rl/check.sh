@@ -3,7 +3,8 @@
 #   1. the default run (2 CPU ranks, 200 steps of the colour task) learns
 #      (mean reward of the last 10 steps >= the first 10's + 0.1) and the
 #      engine's logprobs equal the trainer's recompute at every step (0);
-#   2. a short --moe run (Qwen3-VL-MoE) does the same bitwise check;
+#   2. a short --moe --freeze-vision run (Qwen3-VL-MoE, frozen tower) does the
+#      same bitwise check;
 #   3. both HF exports load in transformers with equal tensors and logprobs
 #      (tools/check_vl_export.py; skipped, not failed, without torch).
 #   check.sh BIN WORK_DIR
@@ -20,8 +21,8 @@ echo "== qwen3_vl_rl (default: 2 CPU ranks, 200 steps)"
 grep -q "learned (>= +0.1): yes" "$work/dense.log" || fail "the default run did not learn"
 grep -q "largest difference 0 over" "$work/dense.log" || fail "engine and trainer logprobs differ on the CPU"
 
-echo "== qwen3_vl_rl --moe --steps 8"
-"$bin" --device cpu --moe --steps 8 --out "$work/moe" | tee "$work/moe.log" | tail -n 2
+echo "== qwen3_vl_rl --moe --freeze-vision --steps 8"
+"$bin" --device cpu --moe --freeze-vision --steps 8 --out "$work/moe" | tee "$work/moe.log" | tail -n 2
 grep -q "largest difference 0 over" "$work/moe.log" || fail "engine and trainer logprobs differ on the CPU (MoE)"
 
 py=${PYTHON:-python3}

@@ -50,6 +50,8 @@ int main(int argc, char** argv) {
   app.add_option("--task", o.task, "colour (name the shapes' colour) or count (how many shapes)")
       ->check(CLI::IsMember({"colour", "count"}));
   app.add_flag("--moe", o.moe, "the built-in Qwen3-VL-MoE (4 experts, top-2) instead of the dense model");
+  app.add_flag("--freeze-vision", o.freeze_vision,
+               "keep the vision tower's weights (train the language model only; the tower runs forward only)");
   app.add_option("--device", o.device, "auto, cpu or cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   app.add_option("--seed", o.seed, "seed of the weights, the images and the sampling");
   app.add_option("--out", o.out_dir, "output directory (metrics.jsonl, hf/)");

@@ -63,6 +63,7 @@ struct Options {
   double temperature = 1.0;
   std::string task = "colour";  // colour | count
   bool moe = false;
+  bool freeze_vision = false;  // the tower keeps its weights (no backward, no optimizer state)
   std::string device = "auto";
   uint64_t seed = 1;
   std::string out_dir = "runs/qwen3_vl_rl";
@@ -146,6 +147,7 @@ class Trainer {
     SLIME_CHECK(o.samples_per_prompt >= 2, "--samples-per-prompt must be >= 2 (GRPO normalises within a group)");
     nn::Qwen3VLModel model(config_, {device_, dtype_});
     model.init_random(o.seed, 0.05f);  // counter-based: the same weights on every rank
+    model.set_vision_trainable(!o.freeze_vision);
     optim::AdamWConfig adam;
     adam.weight_decay = 0.0;
     policy_ = std::make_unique<Policy>(std::move(model), comm, parallel::ShardedOptions{}, adam);
