@@ -135,9 +135,8 @@ TEST_CASE("mis veto and renormalisation by hand") {
   REQUIRE(v.m.rejected == 2);
   // Renormalised to mean 1 over kept tokens: ratios 1, 2, 0.5 (mean 3.5/3) → scale 3/3.5.
   const std::vector<double> d2 = {ln, std::log(2.0), std::log(0.5)};
-  const Out r =
-      run(ImportanceSampler<Mis<Token, Clip>>({.low = 0, .high = 3, .renormalize = MisRenormalize::kept}), d2,
-          {1, 1, 1}, {0, 3});
+  const Out r = run(ImportanceSampler<Mis<Token, Clip>>({.low = 0, .high = 3, .renormalize = MisRenormalize::kept}), d2,
+                    {1, 1, 1}, {0, 3});
   REQUIRE_THAT(r.w[0], WithinAbs(3 / 3.5, 1e-14));
   REQUIRE_THAT(r.w[1], WithinAbs(6 / 3.5, 1e-14));
   REQUIRE_THAT(r.m.mean_weight(), WithinAbs(1, 1e-14));
@@ -190,8 +189,8 @@ TEST_CASE("mis renormalisation: slime's batch mean and ours over kept tokens") {
   const std::vector<double> ds = {std::log(2.0), ln, std::log(0.5), 0.3};
   const std::vector<uint8_t> ms = {1, 1, 1, 0};
   const std::vector<int32_t> cs = {0, 2, 3, 4};
-  const Out sb = run(ImportanceSampler<Mis<Sequence, Clip>>({.low = 0, .high = 3, .renormalize = MisRenormalize::batch}),
-                     ds, ms, cs);
+  const Out sb = run(
+      ImportanceSampler<Mis<Sequence, Clip>>({.low = 0, .high = 3, .renormalize = MisRenormalize::batch}), ds, ms, cs);
   REQUIRE_THAT(sb.w[0], WithinAbs(2.4, 1e-14));
   REQUIRE_THAT(sb.w[2], WithinAbs(0.6, 1e-14));
   REQUIRE(sb.w[3] == 0);
@@ -200,9 +199,9 @@ TEST_CASE("mis renormalisation: slime's batch mean and ours over kept tokens") {
   REQUIRE_THAT(sk.w[0], WithinAbs(4.0 / 3, 1e-14));
   REQUIRE_THAT(sk.w[2], WithinAbs(1.0 / 3, 1e-14));
   // slime divides only when the mean exceeds 1e-8: weights of exp(-20) stay as they are.
-  const Out tiny = run(
-      ImportanceSampler<Mis<Token, Truncate>>({.low = 0, .high = 2, .renormalize = MisRenormalize::batch}), {-30.0},
-      {1}, {0, 1});
+  const Out tiny =
+      run(ImportanceSampler<Mis<Token, Truncate>>({.low = 0, .high = 2, .renormalize = MisRenormalize::batch}), {-30.0},
+          {1}, {0, 1});
   REQUIRE_THAT(tiny.w[0], WithinRel(std::exp(-20.0), 1e-14));
   // Off by default (both in slime and here).
   REQUIRE(Mis<Token, Clip>{}.renormalize == MisRenormalize::off);

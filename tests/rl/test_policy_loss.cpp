@@ -479,52 +479,53 @@ TEST_CASE("policy loss is invariant to the micro-batch split") {
   const Batch all = random_batch(5, 10);
   for (auto kind : {PolicyLossKind::ppo, PolicyLossKind::gspo, PolicyLossKind::cispo}) {
     for (auto agg : {Aggregation::token_mean, Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum})
-    for (auto empty : {EmptySequences::count, EmptySequences::skip}) {
-      PolicyLossConfig c;
-      c.kind = kind;
-      c.aggregation = agg;
-      c.empty_sequences = empty;
-      c.eps_clip_c = 3;
-      c.entropy_coef = 0.01;
-      c.kl_coef = 0.1;
-      LossNormalizer n;
-      std::vector<double> ref_grad;
-      double ref_loss = 0, ref_clip = 0;
-      for (int parts : {1, 2, 5}) {
-        // The global normaliser is the sum of the micro-batches' counts.
-        std::vector<Batch> mbs;
-        const int per = 10 / parts;
-        for (int p = 0; p < parts; ++p) mbs.push_back(sequences(all, p * per, (p + 1) * per));
-        LossNormalizer total;
-        for (const Batch& mb : mbs) total += cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
-        if (parts == 1) n = total;
-        REQUIRE(total.tokens == n.tokens);
-        REQUIRE(total.sequences == n.sequences);
-        REQUIRE(total.nonempty_sequences == n.nonempty_sequences);
-        REQUIRE(n.sequences == 10);
-        REQUIRE(n.nonempty_sequences < n.sequences);  // random_batch: empty ones and ones without response tokens
-        PolicyLossMetrics m;
-        std::vector<double> grad;
-        for (const Batch& mb : mbs) {
-          std::vector<double> g(std::size_t(mb.tokens()));
-          m += cpu::policy_loss(c, n, mb.args(true), g.data(), nullptr);
-          grad.insert(grad.end(), g.begin(), g.end());
+      for (auto empty : {EmptySequences::count, EmptySequences::skip}) {
+        PolicyLossConfig c;
+        c.kind = kind;
+        c.aggregation = agg;
+        c.empty_sequences = empty;
+        c.eps_clip_c = 3;
+        c.entropy_coef = 0.01;
+        c.kl_coef = 0.1;
+        LossNormalizer n;
+        std::vector<double> ref_grad;
+        double ref_loss = 0, ref_clip = 0;
+        for (int parts : {1, 2, 5}) {
+          // The global normaliser is the sum of the micro-batches' counts.
+          std::vector<Batch> mbs;
+          const int per = 10 / parts;
+          for (int p = 0; p < parts; ++p) mbs.push_back(sequences(all, p * per, (p + 1) * per));
+          LossNormalizer total;
+          for (const Batch& mb : mbs)
+            total += cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
+          if (parts == 1) n = total;
+          REQUIRE(total.tokens == n.tokens);
+          REQUIRE(total.sequences == n.sequences);
+          REQUIRE(total.nonempty_sequences == n.nonempty_sequences);
+          REQUIRE(n.sequences == 10);
+          REQUIRE(n.nonempty_sequences < n.sequences);  // random_batch: empty ones and ones without response tokens
+          PolicyLossMetrics m;
+          std::vector<double> grad;
+          for (const Batch& mb : mbs) {
+            std::vector<double> g(std::size_t(mb.tokens()));
+            m += cpu::policy_loss(c, n, mb.args(true), g.data(), nullptr);
+            grad.insert(grad.end(), g.begin(), g.end());
+          }
+          if (parts == 1) {
+            ref_grad = grad;
+            ref_loss = m.loss;
+            ref_clip = m.clip_fraction;
+            continue;
+          }
+          INFO("kind " << int(kind) << " aggregation " << int(agg) << " empty " << int(empty) << " parts " << parts);
+          REQUIRE_THAT(m.loss, WithinAbs(ref_loss, 1e-12));
+          REQUIRE_THAT(m.clip_fraction, WithinAbs(ref_clip, 1e-12));
+          REQUIRE(grad.size() == ref_grad.size());
+          double worst = 0;
+          for (std::size_t t = 0; t < grad.size(); ++t) worst = std::max(worst, std::abs(grad[t] - ref_grad[t]));
+          REQUIRE(worst <= 1e-12);
         }
-        if (parts == 1) {
-          ref_grad = grad;
-          ref_loss = m.loss;
-          ref_clip = m.clip_fraction;
-          continue;
-        }
-        INFO("kind " << int(kind) << " aggregation " << int(agg) << " empty " << int(empty) << " parts " << parts);
-        REQUIRE_THAT(m.loss, WithinAbs(ref_loss, 1e-12));
-        REQUIRE_THAT(m.clip_fraction, WithinAbs(ref_clip, 1e-12));
-        REQUIRE(grad.size() == ref_grad.size());
-        double worst = 0;
-        for (std::size_t t = 0; t < grad.size(); ++t) worst = std::max(worst, std::abs(grad[t] - ref_grad[t]));
-        REQUIRE(worst <= 1e-12);
       }
-    }
   }
 }
 
@@ -564,9 +565,10 @@ TEST_CASE("policy loss is invariant to the rank and micro-batch split") {
             for (int p = 0; p < parts; ++p)
               mbs.push_back(sequences(all, r * per_rank + p * per_mb, r * per_rank + (p + 1) * per_mb));
             LossNormalizer part;
-            for (const Batch& mb : mbs) part += cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
-            Tensor global = Tensor::from_vector(std::vector<int64_t>{part.tokens, part.sequences, part.nonempty_sequences},
-                                                Shape{3});
+            for (const Batch& mb : mbs)
+              part += cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
+            Tensor global = Tensor::from_vector(
+                std::vector<int64_t>{part.tokens, part.sequences, part.nonempty_sequences}, Shape{3});
             comm.all_reduce(global);
             const auto g = global.to_vector<int64_t>();
             const LossNormalizer n{g[0], g[1], g[2]};

@@ -305,8 +305,7 @@ TEST_CASE("fused policy loss matches the cpu reference on slime's definitions") 
             }
             INFO("case " << cases << ": kind " << int(kind) << ", aggregation " << int(agg) << ", estimator "
                          << int(est) << ", empty " << int(empty) << ", unbiased " << unbiased);
-            const PolicyLossMetrics m =
-                check_case(c, [&](HostBatch& b) { spike(b, kind != PolicyLossKind::gspo); });
+            const PolicyLossMetrics m = check_case(c, [&](HostBatch& b) { spike(b, kind != PolicyLossKind::gspo); });
             CHECK(m.clip_fraction <= 1);
             dual += m.dual_clip_fraction;
             (est == KlEstimator::k3 ? kl_k3 : kl_low_var) += m.kl;
@@ -317,8 +316,8 @@ TEST_CASE("fused policy loss matches the cpu reference on slime's definitions") 
     }
   }
   REQUIRE(cases == 72);
-  REQUIRE(dual > 0);              // ratios of 4.5 over the dual clip of 3
-  REQUIRE(kl_k3 > kl_low_var);    // the spikes' k3 of 28.6 is clamped to 10 by low_var_kl only
+  REQUIRE(dual > 0);            // ratios of 4.5 over the dual clip of 3
+  REQUIRE(kl_k3 > kl_low_var);  // the spikes' k3 of 28.6 is clamped to 10 by low_var_kl only
 }
 
 TEST_CASE("fused policy loss is deterministic run to run") {
