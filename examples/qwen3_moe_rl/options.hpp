@@ -35,13 +35,18 @@ struct Options {
   std::string loss = "ppo";        // ppo | gspo | cispo
   std::string loss_aggregation = "token_mean";  // token_mean | seq_mean_token_mean | seq_mean_token_sum
   double eps_clip = 0.2, eps_clip_high = 0.28, eps_clip_c = 0;
-  std::string is_correction = "tis";  // none | tis | mis-token | mis-sequence | mis-geometric
-  std::string mis_mode = "truncate";  // truncate | clip | mask
+  std::string is_correction = "tis";   // none | tis | mis-token | mis-sequence | mis-geometric
+  std::string mis_mode = "truncate";   // truncate | clip | mask
+  std::string is_renormalize = "off";  // MIS: off | batch (slime's --tis-batch-normalize) | kept (ours)
   double is_low = 0, is_high = 2;
-  std::string kl_type = "k3";  // k1 | k2 | k3
+  std::string kl_type = "k1";  // k1 | k2 | k3 | low_var_kl (slime's --kl-loss-type, default k1)
   bool unbiased_kl = false;    // KL x exp(lp - old)
   double kl_coef = 0;
   double entropy_coef = 0;
+  std::string empty_sequences = "count";  // count (slime's) | skip: responses without loss tokens in the normalisers
+  // On-policy distillation (slime's --opd-kl-coef): a frozen teacher.
+  std::string teacher;       // HF directory; empty: no distillation
+  double opd_kl_coef = 1.0;  // advantages -= opd_kl_coef x (student lp - teacher lp)
   // Optimisation.
   double lr = 3e-3, min_lr = 0;
   std::string lr_schedule = "constant";  // constant | warmup | cosine
@@ -131,14 +136,37 @@ struct Options {
     app.add_option("--mis-mode", mis_mode, "MIS outside the bounds: truncate | clip | mask")
         ->capture_default_str()
         ->group(g);
+    app.add_option("--is-renormalize", is_renormalize,
+                   "MIS weights divided by their mean over the micro-batch: off | batch (slime's "
+                   "--tis-batch-normalize: the bounded weights of every loss token, rejected ones included; per "
+                   "sequence for the sequence and geometric levels) | kept (the kept weights only, so the weights "
+                   "in the loss average 1)")
+        ->capture_default_str()
+        ->group(g);
     app.add_option("--is-low", is_low, "importance weight lower bound")->capture_default_str()->group(g);
     app.add_option("--is-high", is_high, "importance weight upper bound")->capture_default_str()->group(g);
-    app.add_option("--kl-type", kl_type, "KL estimator to the reference: k1 | k2 | k3")
+    app.add_option("--kl-type", kl_type,
+                   "KL estimator to the reference, as slime's --kl-loss-type: k1 | k2 | k3 (unclamped) | low_var_kl "
+                   "(k3 clamped to [-10, 10])")
         ->capture_default_str()
         ->group(g);
     app.add_flag("--unbiased-kl", unbiased_kl, "KL term times the ratio exp(lp - old)")->group(g);
     app.add_option("--kl-coef", kl_coef, "KL coefficient (0: no reference model)")->capture_default_str()->group(g);
     app.add_option("--entropy-coef", entropy_coef, "entropy bonus coefficient")->capture_default_str()->group(g);
+    app.add_option("--loss-empty", empty_sequences,
+                   "responses without loss tokens: count (slime's: every sample in the sequence count, one token "
+                   "each in token_mean's) | skip (only responses with loss tokens)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--teacher", teacher,
+                   "on-policy distillation: HF directory of a frozen teacher (same vocabulary, any size; sharded "
+                   "like the policy, no optimizer) that scores the sampled tokens")
+        ->group(g);
+    app.add_option("--opd-kl-coef", opd_kl_coef,
+                   "with --teacher: advantages -= coef x (student lp - teacher lp) per response token (slime's "
+                   "--opd-kl-coef: the k1 reverse KL, through the advantage, after the estimator)")
+        ->capture_default_str()
+        ->group(g);
     g = "Optimisation";
     app.add_option("--lr", lr, "AdamW learning rate")->capture_default_str()->group(g);
     app.add_option("--lr-schedule", lr_schedule, "constant | warmup | cosine")->capture_default_str()->group(g);

@@ -62,6 +62,7 @@ struct StepMetrics {
   double reward = 0;                        // sum over the responses
   slime::rl::PolicyLossMetrics loss;        // additive (global normalisers)
   slime::rl::ImportanceMetrics importance;  // additive
+  double opd_reverse_kl = 0;                // --teacher: Σ (student lp - teacher lp) over the response tokens
   int64_t peak_memory_bytes = 0;            // the step's device high-water mark, max over ranks
   // This rank's (rank 0 logs its own).
   double lr = 0;
@@ -90,6 +91,7 @@ struct StepMetrics {
     f(importance.trainer_lp_sum, Reduce::sum);
     f(importance.rollout_lp_sum, Reduce::sum);
     f(importance.k3_sum, Reduce::sum);
+    f(opd_reverse_kl, Reduce::sum);
     f(peak_memory_bytes, Reduce::max);
   }
 
@@ -112,6 +114,8 @@ struct StepMetrics {
             {"importance_weight_mean", im.kept > 0 ? im.weight_sum / im.kept : 1.0},
             {"importance_clip_fraction", im.tokens > 0 ? im.clipped / im.tokens : 0.0},
             {"kl_rollout_k3", im.tokens > 0 ? im.k3_sum / im.tokens : 0.0},
+            // --teacher: the mean reverse KL (k1) to the teacher per response token (0 without)
+            {"opd_reverse_kl", response_tokens > 0 ? opd_reverse_kl / double(response_tokens) : 0.0},
             {"tokens", double(tokens)},
             {"response_length", double(response_tokens) / n},
             {"lr", lr},

@@ -13,7 +13,9 @@
 //                  same count on every rank (the FSDP gathers are collective)
 //   5. train       per micro-batch: policy forward -> token logprobs -> TIS/MIS
 //                  weights against the rollout logprobs -> reference logprobs
-//                  (KL) -> rl::policy_loss (--loss, global normalisers) ->
+//                  (KL) -> teacher logprobs (--teacher: the advantages minus
+//                  --opd-kl-coef x the reverse KL, rl::apply_opd) ->
+//                  rl::policy_loss (--loss, global normalisers) ->
 //                  backward through Sharded; then AdamW on the fp32 master
 //                  shards (grad-norm clip, LR schedule)
 //   6. sync        the new weights into the engine (one parameter gathered at a time)
@@ -212,6 +214,7 @@ class Trainer {
       context = longest + o.max_new_tokens;
     }
     if (o.kl_coef != 0) ref_.emplace(model, *mesh_, rl::ReferenceModelConfig{.update_every = 0, .offload = o.offload});
+    if (!o.teacher.empty()) make_teacher();
     optim::AdamWConfig adamw;
     adamw.weight_decay = o.weight_decay;
     policy_ = std::make_unique<Policy>(std::move(model), *mesh_, parallel::ShardedOptions{}, adamw);
@@ -241,6 +244,22 @@ class Trainer {
   }
 
  private:
+  // --teacher: a frozen model over the policy's mesh (any config with the
+  // policy's vocabulary; its own expert split under --ep), offloaded outside
+  // the train phase like the reference.
+  void make_teacher() {
+    const nn::Qwen3Config tc = nn::Qwen3Config::from_file(fs::path(o_.teacher) / "config.json");
+    SLIME_CHECK(tc.vocab_size == config_.vocab_size, "--teacher ", o_.teacher, ": vocabulary of ", tc.vocab_size,
+                " tokens, the policy's has ", config_.vocab_size);
+    SLIME_CHECK(!tc.is_moe() || tc.num_experts % o_.ep == 0, "--teacher ", o_.teacher, ": --ep ", o_.ep,
+                " must divide its ", tc.num_experts, " experts");
+    if (tc.is_moe()) teacher_ep_ = std::make_unique<parallel::ExpertParallel<>>(*mesh_, tc.num_experts);
+    nn::Qwen3Model t(tc, {device_, dtype_}, teacher_ep_.get());
+    t.set_sequence_attention(cp_.get());
+    nn::load_hf_weights(t, o_.teacher);
+    teacher_.emplace(std::move(t), *mesh_, rl::ReferenceModelConfig{.update_every = 0, .offload = o_.offload});
+  }
+
   // Every option the trainer reads, checked before anything is built.
   void check_options() const {
     SLIME_CHECK(o_.cp >= 1 && comm_.size() % (o_.cp * o_.ep) == 0, "--cp ", o_.cp, " x --ep ", o_.ep,
@@ -265,6 +284,7 @@ class Trainer {
     (void)parse_choice<int>("--is", o_.is_correction,
                             {{"none", 0}, {"tis", 0}, {"mis-token", 0}, {"mis-sequence", 0}, {"mis-geometric", 0}});
     (void)parse_choice<int>("--mis-mode", o_.mis_mode, {{"truncate", 0}, {"clip", 0}, {"mask", 0}});
+    (void)is_renormalize();
     (void)parse_choice<int>("--lr-schedule", o_.lr_schedule, {{"constant", 0}, {"warmup", 0}, {"cosine", 0}});
   }
 
@@ -527,28 +547,30 @@ class Trainer {
     policy_->zero_grad();
     policy_->set_micro_batches(int(mbs.size()));
     if (ref_ && o_.offload) ref_->onload();
+    if (teacher_ && o_.offload) teacher_->onload();
     for (MicroBatch& mb : mbs) {
       train_micro_batch(mb, norm, m);
       m.tokens += mb.batch.num_tokens();
       m.response_tokens += mb.response_tokens;
     }
     if (ref_ && o_.offload) ref_->offload();
+    if (teacher_ && o_.offload) teacher_->offload();
     m.lr = schedule_.lr(step + 1);
     m.grad_norm = policy_->optimizer_step(m.lr, o_.max_grad_norm).value_or(0.0);
   }
 
-  // The loss's token and sequence counts over every micro-batch of every rank.
+  // The loss's token and sequence counts over every micro-batch of every rank;
+  // a padding micro-batch (no response) is no sample and is not counted.
   rl::LossNormalizer global_normalizer(const std::vector<MicroBatch>& mbs) {
     rl::LossNormalizer norm;
     for (const MicroBatch& mb : mbs) {
-      const rl::LossNormalizer c = rl::count_normalizer(mb.loss_mask, mb.cu_seqlens);
-      norm.tokens += c.tokens;
-      norm.sequences += c.sequences;
+      if (mb.response_tokens > 0) norm += rl::count_normalizer(mb.loss_mask, mb.cu_seqlens);
     }
-    Tensor t = Tensor::from_vector(std::vector<int64_t>{norm.tokens, norm.sequences}, {2}, device_);
+    Tensor t =
+        Tensor::from_vector(std::vector<int64_t>{norm.tokens, norm.sequences, norm.nonempty_sequences}, {3}, device_);
     comm_.all_reduce(t);
     const std::vector<int64_t> v = t.to_vector<int64_t>();
-    return {v[0] / o_.cp, v[1] / o_.cp};  // every cp rank counted its data rank's micro-batches
+    return {v[0] / o_.cp, v[1] / o_.cp, v[2] / o_.cp};  // every cp rank counted its data rank's micro-batches
   }
 
   // With --cp the forward runs on this rank's rows (cp_->local_batch); the
@@ -576,6 +598,7 @@ class Trainer {
     in.cu_seqlens = mb.batch.cu_seqlens;
     if (o_.entropy_coef != 0) in.entropy = whole(fwd.entropy);
     if (ref_) in.ref_lp = whole(ref_->logprobs(local, targets, o_.temperature));
+    if (teacher_) in.advantages = distill(in.lp, whole(teacher_->logprobs(local, targets, o_.temperature)), mb, m);
     if (o_.is_correction != "none") {
       const rl::ImportanceResult w = importance(in.lp.to(Device::cpu()), mb);
       m.importance += w.metrics;
@@ -587,6 +610,20 @@ class Trainer {
     const auto mine = [&](const Tensor& g) { return cp_ && g.defined() ? cp_->local_rows(g) : g; };
     policy_->backward(ctx, policy_->token_logprobs_backward(hidden, targets, o_.temperature, fwd, mine(res.grad_lp),
                                                             mine(res.grad_entropy)));
+  }
+
+  // On-policy distillation (rl::apply_opd, as slime's --opd-kl-coef): the
+  // micro-batch's advantages minus opd_kl_coef x (student lp - teacher lp),
+  // the student's being this forward's (= old: one update per rollout). With
+  // the reinforce++ estimators it comes after their whitening (slime: before
+  // --normalize-advantages); with GRPO the two orders agree.
+  Tensor distill(const Tensor& lp, const Tensor& teacher_lp, const MicroBatch& mb, StepMetrics& m) const {
+    const int64_t T = mb.advantages.size(0);
+    Tensor adv = Tensor::from_vector(mb.advantages.to_vector<float>(), {T});
+    const Tensor rkl =
+        rl::apply_opd(adv, lp.to(Device::cpu()), teacher_lp.to(Device::cpu()), mb.loss_mask, o_.opd_kl_coef);
+    for (float v : rkl.to_vector<float>()) m.opd_reverse_kl += v;
+    return adv.to(device_);
   }
 
   static rl::PolicyLossConfig loss_config(const Options& o) {
@@ -603,11 +640,21 @@ class Trainer {
     c.eps_clip_c = o.eps_clip_c;
     c.entropy_coef = o.entropy_coef;
     c.kl_coef = o.kl_coef;
-    c.kl_estimator = parse_choice<rl::KlEstimator>(
-        "--kl-type", o.kl_type,
-        {{"k1", rl::KlEstimator::k1}, {"k2", rl::KlEstimator::k2}, {"k3", rl::KlEstimator::k3}});
+    c.kl_estimator = parse_choice<rl::KlEstimator>("--kl-type", o.kl_type,
+                                                   {{"k1", rl::KlEstimator::k1},
+                                                    {"k2", rl::KlEstimator::k2},
+                                                    {"k3", rl::KlEstimator::k3},
+                                                    {"low_var_kl", rl::KlEstimator::low_var_kl}});
     c.unbiased_kl = o.unbiased_kl;
+    c.empty_sequences = parse_choice<rl::EmptySequences>(
+        "--loss-empty", o.empty_sequences, {{"count", rl::EmptySequences::count}, {"skip", rl::EmptySequences::skip}});
     return c;
+  }
+
+  rl::MisRenormalize is_renormalize() const {
+    return parse_choice<rl::MisRenormalize>(
+        "--is-renormalize", o_.is_renormalize,
+        {{"off", rl::MisRenormalize::off}, {"batch", rl::MisRenormalize::batch}, {"kept", rl::MisRenormalize::kept}});
   }
 
   // Importance weights of the trainer's logprobs against the engine's.
@@ -621,6 +668,7 @@ class Trainer {
         rl::Mis<Level, Mode> p;
         p.low = o_.is_low;
         p.high = o_.is_high;
+        p.renormalize = is_renormalize();
         return rl::ImportanceSampler<rl::Mis<Level, Mode>>(p)(lp_host, mb.rollout_lp, mb.loss_mask, mb.cu_seqlens);
       };
       if (o_.mis_mode == "clip") return run(rl::Clip{});
@@ -738,6 +786,9 @@ class Trainer {
   // The KL reference: a frozen Sharded model over the policy's mesh (its
   // shards, its expert slices), offloaded outside the training phase.
   std::optional<rl::ShardedReferenceModel<nn::Qwen3Model>> ref_;
+  // --teacher: the on-policy distillation teacher, frozen like the reference.
+  std::unique_ptr<parallel::ExpertParallel<>> teacher_ep_;  // its expert split (a MoE teacher; outlives it)
+  std::optional<rl::ShardedReferenceModel<nn::Qwen3Model>> teacher_;
   std::unique_ptr<nn::Qwen3Model> engine_model_;
   std::unique_ptr<rollout::Engine> engine_;
   bool engine_on_device_ = false;  // --offload: the engine, not the policy, holds the device

@@ -271,9 +271,11 @@ class Trainer {
     // The loss's normaliser: response tokens and sequences over every rank.
     const Tensor mask_host = Tensor::from_vector(mask, {T}), cu_host = Tensor::from_vector(cu, {S + 1});
     rl::LossNormalizer norm = rl::count_normalizer(mask_host, cu_host);
-    Tensor counts = Tensor::from_vector(std::vector<int64_t>{norm.tokens, norm.sequences}, {2}, device_);
+    Tensor counts =
+        Tensor::from_vector(std::vector<int64_t>{norm.tokens, norm.sequences, norm.nonempty_sequences}, {3}, device_);
     comm_.all_reduce(counts, comm::ReduceOp::sum);
-    norm = {counts.to_vector<int64_t>()[0], counts.to_vector<int64_t>()[1]};
+    const std::vector<int64_t> c = counts.to_vector<int64_t>();
+    norm = {c[0], c[1], c[2]};
 
     policy_->zero_grad();
     typename Policy::Context ctx;

@@ -1,8 +1,8 @@
 // CUDA implementation of slime/rl/policy_loss.hpp (the fused per-token policy
 // loss and its gradient with respect to lp and entropy):
 //   policy_loss_kernel<Kind>   one block per sequence (grid-stride over
-//                              sequences): when GSPO or seq_mean_token_mean
-//                              needs them, a first sweep reduces the
+//                              sequences): when GSPO or a sequence-mean
+//                              aggregation needs them, a first sweep reduces the
 //                              sequence's mask count and Σ(lp − old); a second
 //                              sweep writes grad_lp / grad_entropy and sums the
 //                              metrics; GSPO adds its sequence-ratio term in a
@@ -94,7 +94,9 @@ __device__ __forceinline__ PgTerm pg_term(float ratio, float lp, float adv, floa
   return t;
 }
 
-// KL estimator value and d/dlp (slime/rl/kl.hpp's formulas in fp32).
+// KL estimator value and d/dlp (slime/rl/kl.hpp's formulas in fp32): k3
+// unclamped; low_var_kl is k3 clamped to ±low_var_kl_clamp after the
+// unbiased ratio, with no gradient where clamped.
 __device__ __forceinline__ void kl_term(KlEstimator e, bool unbiased, float lp, float ref, float old, float& value,
                                         float& grad) {
   switch (e) {
@@ -106,16 +108,12 @@ __device__ __forceinline__ void kl_term(KlEstimator e, bool unbiased, float lp, 
       value = 0.5f * (lp - ref) * (lp - ref);
       grad = lp - ref;
       break;
-    case KlEstimator::k3: {
+    case KlEstimator::k3:
+    case KlEstimator::low_var_kl: {
       const float d = ref - lp;
       const float ex = expf(d);
       value = ex - d - 1.f;
       grad = 1.f - ex;
-      const float clamp = float(k3_clamp);
-      if (value > clamp || value < -clamp) {
-        value = value > clamp ? clamp : -clamp;
-        grad = 0.f;
-      }
       break;
     }
   }
@@ -124,6 +122,13 @@ __device__ __forceinline__ void kl_term(KlEstimator e, bool unbiased, float lp, 
     grad = r * (grad + value);
     value *= r;
   }
+  if (e == KlEstimator::low_var_kl) {
+    const float clamp = float(low_var_kl_clamp);
+    if (value > clamp || value < -clamp) {
+      value = value > clamp ? clamp : -clamp;
+      grad = 0.f;
+    }
+  }
 }
 
 template <PolicyLossKind K>
@@ -131,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) policy_loss_kernel(PolicyLossParams 
   __shared__ double scratch[kWarps * kMetrics];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const float lo = 1.f - p.eps_clip, hi = 1.f + p.eps_clip_high;
-  const bool need_counts = K == PolicyLossKind::gspo || p.aggregation == Aggregation::seq_mean_token_mean;
+  const bool need_counts = K == PolicyLossKind::gspo || p.aggregation != Aggregation::token_mean;
   double* partials = static_cast<double*>(p.workspace);
 
   for (int64_t s = blockIdx.x; s < p.num_seqs; s += gridDim.x) {
@@ -154,19 +159,22 @@ __global__ void __launch_bounds__(kThreads) policy_loss_kernel(PolicyLossParams 
       n_s = v[0];
       log_ratio_mean = n_s > 0 ? v[1] / n_s : 0.0;
     }
-    double c = 0;
+    // c: the weight of the KL and entropy terms and of the metrics; c_pg: of
+    // the pg term (they differ under seq_mean_token_sum only).
+    double c = 0, c_pg = 0;
     switch (p.aggregation) {
       case Aggregation::token_mean:
-        c = 1.0 / double(p.norm_tokens);
+        c = c_pg = 1.0 / double(p.norm_tokens);
         break;
       case Aggregation::seq_mean_token_mean:
-        c = n_s > 0 ? 1.0 / (n_s * double(p.norm_sequences)) : 0.0;
+        c = c_pg = n_s > 0 ? 1.0 / (n_s * double(p.norm_sequences)) : 0.0;
         break;
       case Aggregation::seq_mean_token_sum:
-        c = 1.0 / double(p.norm_sequences);
+        c = n_s > 0 ? 1.0 / (n_s * double(p.norm_sequences)) : 0.0;
+        c_pg = 1.0 / double(p.norm_sequences);
         break;
     }
-    const float cf = float(c);
+    const float cf = float(c), cf_pg = float(c_pg);
     const float seq_ratio = expf(float(log_ratio_mean));
 
     double m[kMetrics] = {};
@@ -183,19 +191,19 @@ __global__ void __launch_bounds__(kThreads) policy_loss_kernel(PolicyLossParams 
         float kl = 0.f, dkl = 0.f;
         if (p.maybe_ref_lp) kl_term(p.kl_estimator, p.unbiased_kl, lp, p.maybe_ref_lp[t], old, kl, dkl);
         const float h = p.maybe_entropy ? p.maybe_entropy[t] : 0.f;
-        m[0] += c * (double(pg) - double(p.entropy_coef) * h + double(p.kl_coef) * kl);
-        m[1] += c * pg;
+        m[0] += c_pg * double(pg) + c * (double(p.kl_coef) * kl - double(p.entropy_coef) * h);
+        m[1] += c_pg * pg;
         m[2] += c * h;
         m[3] += c * kl;
         m[4] += c * -double(log_ratio);
         m[5] += pt.clipped ? c : 0.0;
         m[6] += pt.dual ? c : 0.0;
         const float dratio = w * pt.dpg_dratio * ratio;
-        g = cf * (w * pt.dpg_dlp + p.kl_coef * dkl);
+        g = cf_pg * (w * pt.dpg_dlp) + cf * (p.kl_coef * dkl);
         if constexpr (K == PolicyLossKind::gspo) {
-          gspo[0] += c * double(dratio);
+          gspo[0] += c_pg * double(dratio);
         } else {
-          g += cf * dratio;
+          g += cf_pg * dratio;
         }
         ge = -p.entropy_coef * cf;
       }

@@ -138,3 +138,36 @@ TEST_CASE("reinforce++ with a group baseline by hand") {
                                                             cu.data(), 2, 4, 0.5, false, out.data()),
                       ContainsSubstring("sum to 3"));
 }
+
+TEST_CASE("on-policy distillation penalty on the advantages by hand") {
+  // slime's apply_opd_kl_to_advantages: A ← A − coef · (student − teacher) on loss tokens.
+  // Tokens: a prompt token, then three response tokens with student − teacher = 0.5, -0.2, 0.
+  const std::vector<double> student = {-9, -1.0, -2.0, -0.3};
+  const std::vector<double> teacher = {-1, -1.5, -1.8, -0.3};
+  const std::vector<uint8_t> mask = {0, 1, 1, 1};
+  std::vector<double> adv = {0, 1, 1, -2};
+  std::vector<double> rkl(4, 7);
+  const double sum = cpu::apply_opd(student.data(), teacher.data(), mask.data(), 4, 2.0, adv.data(), rkl.data());
+  const std::vector<double> expected_adv = {0, 1 - 2 * 0.5, 1 + 2 * 0.2, -2};
+  const std::vector<double> expected_rkl = {0, 0.5, -0.2, 0};
+  for (std::size_t i = 0; i < 4; ++i) {
+    REQUIRE_THAT(adv[i], WithinAbs(expected_adv[i], 1e-15));
+    REQUIRE_THAT(rkl[i], WithinAbs(expected_rkl[i], 1e-15));
+  }
+  REQUIRE_THAT(sum, WithinAbs(0.3, 1e-15));
+  // A teacher equal to the student changes nothing.
+  std::vector<double> same = {0.25, 1, -1, 3};
+  const std::vector<double> before = same;
+  REQUIRE(cpu::apply_opd(student.data(), student.data(), mask.data(), 4, 5.0, same.data(), nullptr) == 0);
+  REQUIRE(same == before);
+  // Tensor API = template; shapes are checked.
+  Tensor a = Tensor::from_vector(std::vector<float>{0, 1, 1, -2}, Shape{4});
+  const auto f32 = [](const std::vector<double>& v) {
+    return Tensor::from_vector(std::vector<float>(v.begin(), v.end()), Shape{int64_t(v.size())});
+  };
+  const Tensor r = apply_opd(a, f32(student), f32(teacher), Tensor::from_vector(mask, Shape{4}), 2.0);
+  REQUIRE_THAT(double(a.to_vector<float>()[1]), WithinAbs(0, 1e-6));
+  REQUIRE_THAT(double(r.to_vector<float>()[1]), WithinAbs(0.5, 1e-6));
+  REQUIRE_THROWS_WITH(apply_opd(a, f32({-1}), f32(teacher), Tensor::from_vector(mask, Shape{4}), 1.0),
+                      ContainsSubstring("student_lp must have shape (4)"));
+}

@@ -1,5 +1,6 @@
 // ImportanceSampler: TIS and MIS (token, sequence and geometric levels;
-// truncate, clip and mask modes; veto; renormalisation) and the metrics,
+// truncate, clip and mask modes; veto; the ±20 log-ratio bound; slime's batch
+// renormalisation and ours over kept tokens) and the metrics,
 // against values worked out by hand; rejected tokens in the loss; bad inputs.
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_floating_point.hpp>
@@ -16,6 +17,7 @@ using namespace slime;
 using namespace slime::rl;
 using Catch::Matchers::ContainsSubstring;
 using Catch::Matchers::WithinAbs;
+using Catch::Matchers::WithinRel;
 
 namespace {
 
@@ -133,11 +135,76 @@ TEST_CASE("mis veto and renormalisation by hand") {
   REQUIRE(v.m.rejected == 2);
   // Renormalised to mean 1 over kept tokens: ratios 1, 2, 0.5 (mean 3.5/3) → scale 3/3.5.
   const std::vector<double> d2 = {ln, std::log(2.0), std::log(0.5)};
-  const Out r =
-      run(ImportanceSampler<Mis<Token, Clip>>({.low = 0, .high = 3, .renormalize = true}), d2, {1, 1, 1}, {0, 3});
+  const Out r = run(ImportanceSampler<Mis<Token, Clip>>({.low = 0, .high = 3, .renormalize = MisRenormalize::kept}), d2,
+                    {1, 1, 1}, {0, 3});
   REQUIRE_THAT(r.w[0], WithinAbs(3 / 3.5, 1e-14));
   REQUIRE_THAT(r.w[1], WithinAbs(6 / 3.5, 1e-14));
   REQUIRE_THAT(r.m.mean_weight(), WithinAbs(1, 1e-14));
+}
+
+TEST_CASE("mis bounds the pooled log-ratio to plus or minus 20 before exp, as slime") {
+  // Sequence level: Σ d = -25 → exp(-20) (not exp(-25)) under truncate; Σ d = +25 →
+  // exp(20) kept by a mask mode whose bounds admit it.
+  const std::vector<double> d = {-15, -10, 15, 10};
+  const std::vector<uint8_t> mask = {1, 1, 1, 1};
+  const std::vector<int32_t> cu = {0, 2, 4};
+  const Out t = run(ImportanceSampler<Mis<Sequence, Truncate>>({.low = 0, .high = 2}), d, mask, cu);
+  REQUIRE_THAT(t.w[0], WithinRel(std::exp(-20.0), 1e-14));
+  REQUIRE_THAT(t.w[1], WithinRel(std::exp(-20.0), 1e-14));
+  REQUIRE(t.w[2] == 2);
+  const Out m = run(ImportanceSampler<Mis<Sequence, Mask>>({.low = 0, .high = 1e10}), d, mask, cu);
+  REQUIRE(m.keep == std::vector<uint8_t>{1, 1, 1, 1});
+  REQUIRE_THAT(m.w[2], WithinRel(std::exp(20.0), 1e-14));
+  // Token and geometric levels too: d = 30 → exp(20) under a wide clip.
+  const Out tok = run(ImportanceSampler<Mis<Token, Clip>>({.low = 0, .high = 1e10}), {30.0, -30.0}, {1, 1}, {0, 2});
+  REQUIRE_THAT(tok.w[0], WithinRel(std::exp(20.0), 1e-14));
+  REQUIRE_THAT(tok.w[1], WithinRel(std::exp(-20.0), 1e-14));
+  const Out geo = run(ImportanceSampler<Mis<Geometric, Clip>>({.low = 0, .high = 1e10}), {30.0, 24.0}, {1, 1}, {0, 2});
+  REQUIRE_THAT(geo.w[0], WithinRel(std::exp(20.0), 1e-14));
+  // TIS (slime's vanilla_tis_function) has no bound: exp(-25) clipped at low = 0 stays exp(-25).
+  const Out tis = run(ImportanceSampler<Tis>({.low = 0, .high = 2}), {-25.0}, {1}, {0, 1});
+  REQUIRE_THAT(tis.w[0], WithinRel(std::exp(-25.0), 1e-14));
+}
+
+TEST_CASE("mis renormalisation: slime's batch mean and ours over kept tokens") {
+  // Token level, mask [0.5, 3]: ratios 1, 2, 4; 4 is rejected.
+  //   batch (slime's --tis-batch-normalize): mean over every loss token of the weights
+  //     before rejection, (1 + 2 + 4) / 3 → w = 3/7, 6/7;
+  //   kept (ours): mean over the kept weights, 1.5 → w = 2/3, 4/3 (they average 1).
+  const std::vector<double> d = {ln, std::log(2.0), std::log(4.0)};
+  const Out b = run(ImportanceSampler<Mis<Token, Mask>>({.low = 0.5, .high = 3, .renormalize = MisRenormalize::batch}),
+                    d, {1, 1, 1}, {0, 3});
+  REQUIRE(b.keep == std::vector<uint8_t>{1, 1, 0});
+  REQUIRE_THAT(b.w[0], WithinAbs(3.0 / 7, 1e-14));
+  REQUIRE_THAT(b.w[1], WithinAbs(6.0 / 7, 1e-14));
+  REQUIRE(b.w[2] == 0);
+  const Out k = run(ImportanceSampler<Mis<Token, Mask>>({.low = 0.5, .high = 3, .renormalize = MisRenormalize::kept}),
+                    d, {1, 1, 1}, {0, 3});
+  REQUIRE_THAT(k.w[0], WithinAbs(2.0 / 3, 1e-14));
+  REQUIRE_THAT(k.w[1], WithinAbs(4.0 / 3, 1e-14));
+  REQUIRE_THAT(k.m.mean_weight(), WithinAbs(1, 1e-14));
+  // Sequence level, clip [0, 3]: s0 two tokens, Σ d = ln 2 → 2; s1 one token 0.5; s2 no loss token.
+  //   batch: the mean over the 3 sequences of each one's mean weight, (2 + 0.5 + 0) / 3 → × 1.2;
+  //   kept: over the 3 kept tokens, (2 + 2 + 0.5) / 3 = 1.5 → × 2/3.
+  const std::vector<double> ds = {std::log(2.0), ln, std::log(0.5), 0.3};
+  const std::vector<uint8_t> ms = {1, 1, 1, 0};
+  const std::vector<int32_t> cs = {0, 2, 3, 4};
+  const Out sb = run(
+      ImportanceSampler<Mis<Sequence, Clip>>({.low = 0, .high = 3, .renormalize = MisRenormalize::batch}), ds, ms, cs);
+  REQUIRE_THAT(sb.w[0], WithinAbs(2.4, 1e-14));
+  REQUIRE_THAT(sb.w[2], WithinAbs(0.6, 1e-14));
+  REQUIRE(sb.w[3] == 0);
+  const Out sk = run(ImportanceSampler<Mis<Sequence, Clip>>({.low = 0, .high = 3, .renormalize = MisRenormalize::kept}),
+                     ds, ms, cs);
+  REQUIRE_THAT(sk.w[0], WithinAbs(4.0 / 3, 1e-14));
+  REQUIRE_THAT(sk.w[2], WithinAbs(1.0 / 3, 1e-14));
+  // slime divides only when the mean exceeds 1e-8: weights of exp(-20) stay as they are.
+  const Out tiny =
+      run(ImportanceSampler<Mis<Token, Truncate>>({.low = 0, .high = 2, .renormalize = MisRenormalize::batch}), {-30.0},
+          {1}, {0, 1});
+  REQUIRE_THAT(tiny.w[0], WithinRel(std::exp(-20.0), 1e-14));
+  // Off by default (both in slime and here).
+  REQUIRE(Mis<Token, Clip>{}.renormalize == MisRenormalize::off);
 }
 
 TEST_CASE("rejected tokens leave the numerator but keep the denominator") {

@@ -1,5 +1,7 @@
 // Policy losses and KL estimators: PPO-clip (asymmetric, dual clip), GSPO,
-// CISPO, aggregation modes and rejected tokens against hand-computed values;
+// CISPO, aggregation modes, empty sequences in the normalisers (slime's count,
+// our skip), seq_mean_token_sum reducing the pg term only, and rejected tokens
+// against hand-computed values;
 // finite-difference gradients in double; split invariance over 1, 2 and 5
 // micro-batches and over 1, 2 and 4 ranks (LocalComm, global normaliser by one
 // all_reduce); the identical-policies invariant; bad inputs.
@@ -21,6 +23,7 @@ using namespace slime;
 using namespace slime::rl;
 using Catch::Matchers::ContainsSubstring;
 using Catch::Matchers::WithinAbs;
+using Catch::Matchers::WithinRel;
 
 namespace {
 
@@ -116,16 +119,32 @@ TEST_CASE("kl estimators by hand") {
   REQUIRE(k2.grad == 0.5);
   REQUIRE_THAT(k3.value, WithinAbs(0.10653065971263342, 1e-15));
   REQUIRE_THAT(k3.grad, WithinAbs(1 - std::exp(-0.5), 1e-15));
-  // Clamped: d = 20 gives exp(20) − 21 ≫ 10: value 10, no gradient.
+  // k3 is unclamped (slime's k3): d = 20 gives exp(20) − 21 with its gradient;
+  // low_var_kl is k3 clamped to [−10, 10]: value 10, no gradient.
   auto big = kl_term<double>(KlEstimator::k3, 0, 20);
-  REQUIRE(big.value == 10);
-  REQUIRE(big.grad == 0);
+  REQUIRE(big.value == std::exp(20.0) - 21);
+  REQUIRE(big.grad == 1 - std::exp(20.0));
+  auto low_var = kl_term<double>(KlEstimator::low_var_kl, 0, 20);
+  REQUIRE(low_var.value == 10);
+  REQUIRE(low_var.grad == 0);
+  auto low_var_small = kl_term<double>(KlEstimator::low_var_kl, -1, -1.5);
+  REQUIRE(low_var_small.value == k3.value);
+  REQUIRE(low_var_small.grad == k3.grad);
+  // low_var_kl clamps after the unbiased ratio (slime's order): d = ref − lp = 2,
+  // k3 = e² − 3 = 4.39 < 10, times r = exp(lp − old) = e²: 32.4 > 10.
+  auto ub_clamped = kl_term_unbiased<double>(KlEstimator::low_var_kl, -3, -1, -5);
+  REQUIRE(ub_clamped.value == 10);
+  REQUIRE(ub_clamped.grad == 0);
+  auto ub_k3 = kl_term_unbiased<double>(KlEstimator::k3, -3, -1, -5);
+  REQUIRE_THAT(ub_k3.value, WithinRel((std::exp(2.0) - 3) * std::exp(2.0), 1e-14));
+  // The default estimator is slime's --kl-loss-type default, k1.
+  REQUIRE(PolicyLossConfig{}.kl_estimator == KlEstimator::k1);
   // Unbiased: k1 · exp(lp − old) with old = -1.2: 0.5 · exp(0.2).
   auto ub = kl_term_unbiased<double>(KlEstimator::k1, -1, -1.5, -1.2);
   REQUIRE_THAT(ub.value, WithinAbs(0.5 * std::exp(0.2), 1e-15));
   REQUIRE_THAT(ub.grad, WithinAbs(std::exp(0.2) * 1.5, 1e-15));
   // Identical policies: every estimator is exactly 0.
-  for (auto e : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3}) {
+  for (auto e : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3, KlEstimator::low_var_kl}) {
     REQUIRE(kl_term<double>(e, -0.7, -0.7).value == 0);
     REQUIRE(kl_term<float>(e, -0.7f, -0.7f).value == 0);
   }
@@ -140,7 +159,7 @@ TEST_CASE("kl estimators by hand") {
 
 TEST_CASE("kl estimator gradients by finite differences") {
   const double h = 1e-6;
-  for (auto e : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3}) {
+  for (auto e : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3, KlEstimator::low_var_kl}) {
     for (double lp : {-2.0, -0.7, -0.1}) {
       const double ref = -1.1, old = -0.9;
       const double fd = (kl_term(e, lp + h, ref).value - kl_term(e, lp - h, ref).value) / (2 * h);
@@ -173,7 +192,7 @@ TEST_CASE("ppo clip and dual clip by hand") {
   c.eps_clip = 0.2;
   c.eps_clip_high = 0.28;
   c.eps_clip_c = 3;
-  const LossNormalizer n{4, 4};
+  const LossNormalizer n{4, 4, 4};
   std::vector<double> g(4);
   auto m = cpu::policy_loss(c, n, b.args(false), g.data(), nullptr);
   REQUIRE_THAT(m.loss, WithinAbs(0.355, 1e-12));
@@ -205,7 +224,7 @@ TEST_CASE("cispo and gspo by hand") {
   c.kind = PolicyLossKind::cispo;
   c.eps_clip_high = 0.28;
   std::vector<double> g(1);
-  auto m = cpu::policy_loss(c, LossNormalizer{1, 1}, b.args(false), g.data(), nullptr);
+  auto m = cpu::policy_loss(c, LossNormalizer{1, 1, 1}, b.args(false), g.data(), nullptr);
   REQUIRE_THAT(m.loss, WithinAbs(-1.28 * (-1 + std::log(1.5)), 1e-12));
   REQUIRE_THAT(g[0], WithinAbs(-1.28, 1e-12));
   REQUIRE(m.clip_fraction == 1);
@@ -222,7 +241,7 @@ TEST_CASE("cispo and gspo by hand") {
   c = {};
   c.kind = PolicyLossKind::gspo;
   g.assign(3, 7);
-  m = cpu::policy_loss(c, LossNormalizer{2, 1}, s.args(false), g.data(), nullptr);
+  m = cpu::policy_loss(c, LossNormalizer{2, 1, 1}, s.args(false), g.data(), nullptr);
   REQUIRE_THAT(m.loss, WithinAbs(-2 * std::exp(-0.1), 1e-12));
   REQUIRE_THAT(m.ppo_kl, WithinAbs(0.1, 1e-12));
   REQUIRE(g[0] == 0);
@@ -239,7 +258,7 @@ TEST_CASE("aggregation modes and rejected tokens by hand") {
   b.adv = {1, 3, 5};
   b.mask = {1, 1, 1};
   b.cu = {0, 2, 3};
-  const LossNormalizer n{3, 2};
+  const LossNormalizer n{3, 2, 2};
   std::vector<double> g(3);
   PolicyLossConfig c;
   c.aggregation = Aggregation::token_mean;
@@ -269,13 +288,132 @@ TEST_CASE("aggregation modes and rejected tokens by hand") {
   REQUIRE_THAT(g[0], WithinAbs(-2.0 / 3, 1e-12));
 }
 
+TEST_CASE("empty sequences in the normalisers: slime's count, our skip") {
+  // Three sequences: s0 two loss tokens A = 1, 3; s1 fully masked (a removed
+  // sample); s2 one loss token A = 5; lp = old, so pg = -A.
+  //   count (slime): token_mean -(1 + 3 + 5) / (2 + 1 + 1) = -2.25;
+  //                  seq_mean_token_mean (-2 - 5) / 3; seq_mean_token_sum (-4 - 5) / 3
+  //   skip (ours):   -9 / 3 = -3; (-2 - 5) / 2 = -3.5; (-4 - 5) / 2 = -4.5
+  Batch b;
+  b.old_lp = b.lp = {-1, -1, -1, -1, -1};
+  b.adv = {1, 3, 7, 7, 5};
+  b.mask = {1, 1, 0, 0, 1};
+  b.cu = {0, 2, 4, 5};
+  const LossNormalizer n = cpu::count_normalizer(b.mask.data(), b.cu.data(), b.seqs(), b.tokens());
+  REQUIRE(n.tokens == 3);
+  REQUIRE(n.sequences == 3);
+  REQUIRE(n.nonempty_sequences == 2);
+  REQUIRE(loss_denominators(EmptySequences::count, n).tokens == 4);
+  REQUIRE(loss_denominators(EmptySequences::count, n).sequences == 3);
+  REQUIRE(loss_denominators(EmptySequences::skip, n).tokens == 3);
+  REQUIRE(loss_denominators(EmptySequences::skip, n).sequences == 2);
+  std::vector<double> g(5);
+  PolicyLossConfig c;
+  REQUIRE(c.empty_sequences == EmptySequences::count);  // slime's default
+  const auto loss = [&](Aggregation agg, EmptySequences empty) {
+    c.aggregation = agg;
+    c.empty_sequences = empty;
+    return cpu::policy_loss(c, n, b.args(false), g.data(), nullptr).loss;
+  };
+  REQUIRE_THAT(loss(Aggregation::token_mean, EmptySequences::count), WithinAbs(-2.25, 1e-12));
+  REQUIRE_THAT(g[0], WithinAbs(-0.25, 1e-12));
+  REQUIRE(g[2] == 0);
+  REQUIRE(g[3] == 0);
+  REQUIRE_THAT(loss(Aggregation::seq_mean_token_mean, EmptySequences::count), WithinAbs(-7.0 / 3, 1e-12));
+  REQUIRE_THAT(loss(Aggregation::seq_mean_token_sum, EmptySequences::count), WithinAbs(-3, 1e-12));
+  REQUIRE_THAT(loss(Aggregation::token_mean, EmptySequences::skip), WithinAbs(-3, 1e-12));
+  REQUIRE_THAT(loss(Aggregation::seq_mean_token_mean, EmptySequences::skip), WithinAbs(-3.5, 1e-12));
+  REQUIRE_THAT(loss(Aggregation::seq_mean_token_sum, EmptySequences::skip), WithinAbs(-4.5, 1e-12));
+  REQUIRE_THAT(g[4], WithinAbs(-2.5, 1e-12));  // -A / N_seqs
+  // Under count, only empty sequences make the step: the normaliser is positive and the loss 0.
+  Batch e;
+  e.old_lp = e.lp = e.adv = {-1, -1};
+  e.mask = {0, 0};
+  e.cu = {0, 1, 2};
+  const LossNormalizer ne = cpu::count_normalizer(e.mask.data(), e.cu.data(), e.seqs(), e.tokens());
+  c.empty_sequences = EmptySequences::count;
+  for (auto agg : {Aggregation::token_mean, Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum}) {
+    c.aggregation = agg;
+    REQUIRE(cpu::policy_loss(c, ne, e.args(false), g.data(), nullptr).loss == 0);
+  }
+  REQUIRE_THROWS_WITH(cpu::policy_loss(c, LossNormalizer{1, 1, 2}, e.args(false), g.data(), nullptr),
+                      ContainsSubstring("inconsistent LossNormalizer"));
+}
+
+TEST_CASE("seq_mean_token_sum reduces the pg term only, as slime's custom pg reducer") {
+  // Two sequences, lp = old (ratio 1, pg = -A), entropy H, k1 KL = lp − ref.
+  // s0: 2 tokens, A = 1, H = 0.5, 0.7, lp − ref = 0.2, 0.4; s1: 1 token, A = 2, H = 1, lp − ref = -0.1.
+  // pg by token sums over N_seqs = 2: (-2 - 2) / 2 = -2.
+  // KL and entropy by sequence means: KL ((0.2 + 0.4)/2 - 0.1) / 2 = 0.1; H ((0.6) + 1) / 2 = 0.8.
+  // loss = -2 + kl_coef·0.1 − entropy_coef·0.8 with kl_coef 0.5, entropy_coef 0.1: -2 + 0.05 − 0.08.
+  Batch b;
+  b.old_lp = b.lp = {-1, -2, -0.5};
+  b.ref = {-1.2, -2.4, -0.4};
+  b.entropy = {0.5, 0.7, 1};
+  b.adv = {1, 1, 2};
+  b.mask = {1, 1, 1};
+  b.cu = {0, 2, 3};
+  PolicyLossConfig c;
+  c.aggregation = Aggregation::seq_mean_token_sum;
+  c.kl_coef = 0.5;
+  c.entropy_coef = 0.1;
+  c.eps_clip = 0.1;
+  c.eps_clip_high = 0.1;
+  const LossNormalizer n = cpu::count_normalizer(b.mask.data(), b.cu.data(), b.seqs(), b.tokens());
+  std::vector<double> g(3), ge(3);
+  const PolicyLossMetrics m = cpu::policy_loss(c, n, b.args(true), g.data(), ge.data());
+  REQUIRE_THAT(m.pg_loss, WithinAbs(-2, 1e-12));
+  REQUIRE_THAT(m.kl, WithinAbs(0.1, 1e-12));
+  REQUIRE_THAT(m.entropy, WithinAbs(0.8, 1e-12));
+  REQUIRE_THAT(m.loss, WithinAbs(-2 + 0.05 - 0.08, 1e-12));
+  // d/dlp: pg -A·r / N_seqs, KL kl_coef / (n_s·N_seqs); d/dH: −entropy_coef / (n_s·N_seqs).
+  REQUIRE_THAT(g[0], WithinAbs(-0.5 + 0.5 / 4, 1e-12));
+  REQUIRE_THAT(g[2], WithinAbs(-1 + 0.5 / 2, 1e-12));
+  REQUIRE_THAT(ge[0], WithinAbs(-0.1 / 4, 1e-12));
+  REQUIRE_THAT(ge[2], WithinAbs(-0.1 / 2, 1e-12));
+  // Every token clipped (ratio 1.5 ≫ 1.1, A > 0): the clip fraction is the mean over
+  // sequences of each one's fraction, 1 (token sums over N_seqs would give 1.5).
+  b.lp = {-1 + std::log(1.5), -2 + std::log(1.5), -0.5 + std::log(1.5)};
+  const PolicyLossMetrics mc = cpu::policy_loss(c, n, b.args(true), g.data(), ge.data());
+  REQUIRE_THAT(mc.clip_fraction, WithinAbs(1, 1e-12));
+  REQUIRE_THAT(mc.ppo_kl, WithinAbs(-std::log(1.5), 1e-12));
+}
+
+TEST_CASE("dual clip with ratios far above its threshold") {
+  // A < 0 and r = 5, 10, 50 over eps_clip_c = 3: pg = -A·3 whatever r, no gradient;
+  // r = 2 < 3 keeps the unclipped pg = -A·r, with gradient -A·r / 4.
+  Batch b;
+  const std::vector<double> ratio = {5, 10, 50, 2};
+  for (double r : ratio) {
+    b.old_lp.push_back(-4);
+    b.lp.push_back(-4 + std::log(r));
+    b.mask.push_back(1);
+    b.adv.push_back(-0.5);
+  }
+  b.cu = {0, 4};
+  PolicyLossConfig c;
+  c.eps_clip_c = 3;
+  std::vector<double> g(4);
+  const PolicyLossMetrics m = cpu::policy_loss(c, LossNormalizer{4, 1, 1}, b.args(false), g.data(), nullptr);
+  REQUIRE_THAT(m.pg_loss, WithinAbs((1.5 * 3 + 1.0) / 4, 1e-12));
+  REQUIRE_THAT(m.dual_clip_fraction, WithinAbs(0.75, 1e-15));
+  REQUIRE(m.clip_fraction == 0);  // -A·r > -A·clip(r): the unclipped branch is the max
+  REQUIRE(g[0] == 0);
+  REQUIRE(g[1] == 0);
+  REQUIRE(g[2] == 0);
+  REQUIRE_THAT(g[3], WithinAbs(0.5 * 2 / 4, 1e-12));
+  // Positive advantages are never dual-clipped.
+  b.adv = {0.5, 0.5, 0.5, 0.5};
+  REQUIRE(cpu::policy_loss(c, LossNormalizer{4, 1, 1}, b.args(false), g.data(), nullptr).dual_clip_fraction == 0);
+}
+
 TEST_CASE("policy loss gradients by finite differences in double") {
   const double h = 1e-6;
   int checked = 0;
   double clipped = 0, dual_clipped = 0;
   for (auto kind : {PolicyLossKind::ppo, PolicyLossKind::gspo, PolicyLossKind::cispo}) {
     for (auto agg : {Aggregation::token_mean, Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum}) {
-      for (auto est : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3}) {
+      for (auto est : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3, KlEstimator::low_var_kl}) {
         for (bool unbiased : {false, true}) {
           // CISPO stops the gradient through clip(r): moving old with lp keeps r (and the
           // stopped factor) fixed, so the finite difference sees only the differentiated
@@ -329,7 +467,7 @@ TEST_CASE("policy loss gradients by finite differences in double") {
       }
     }
   }
-  REQUIRE(checked == 54);
+  REQUIRE(checked == 72);
   // The random batches reach the clipped and dual-clipped branches.
   REQUIRE(clipped > 0);
   REQUIRE(dual_clipped > 0);
@@ -340,52 +478,54 @@ TEST_CASE("policy loss is invariant to the micro-batch split") {
   // normaliser, the summed loss and metrics and the concatenated gradients agree.
   const Batch all = random_batch(5, 10);
   for (auto kind : {PolicyLossKind::ppo, PolicyLossKind::gspo, PolicyLossKind::cispo}) {
-    for (auto agg : {Aggregation::token_mean, Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum}) {
-      PolicyLossConfig c;
-      c.kind = kind;
-      c.aggregation = agg;
-      c.eps_clip_c = 3;
-      c.entropy_coef = 0.01;
-      c.kl_coef = 0.1;
-      LossNormalizer n;
-      std::vector<double> ref_grad;
-      double ref_loss = 0, ref_clip = 0;
-      for (int parts : {1, 2, 5}) {
-        // The global normaliser is the sum of the micro-batches' counts.
-        std::vector<Batch> mbs;
-        const int per = 10 / parts;
-        for (int p = 0; p < parts; ++p) mbs.push_back(sequences(all, p * per, (p + 1) * per));
-        LossNormalizer total;
-        for (const Batch& mb : mbs) {
-          const LossNormalizer part = cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
-          total.tokens += part.tokens;
-          total.sequences += part.sequences;
+    for (auto agg : {Aggregation::token_mean, Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum})
+      for (auto empty : {EmptySequences::count, EmptySequences::skip}) {
+        PolicyLossConfig c;
+        c.kind = kind;
+        c.aggregation = agg;
+        c.empty_sequences = empty;
+        c.eps_clip_c = 3;
+        c.entropy_coef = 0.01;
+        c.kl_coef = 0.1;
+        LossNormalizer n;
+        std::vector<double> ref_grad;
+        double ref_loss = 0, ref_clip = 0;
+        for (int parts : {1, 2, 5}) {
+          // The global normaliser is the sum of the micro-batches' counts.
+          std::vector<Batch> mbs;
+          const int per = 10 / parts;
+          for (int p = 0; p < parts; ++p) mbs.push_back(sequences(all, p * per, (p + 1) * per));
+          LossNormalizer total;
+          for (const Batch& mb : mbs)
+            total += cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
+          if (parts == 1) n = total;
+          REQUIRE(total.tokens == n.tokens);
+          REQUIRE(total.sequences == n.sequences);
+          REQUIRE(total.nonempty_sequences == n.nonempty_sequences);
+          REQUIRE(n.sequences == 10);
+          REQUIRE(n.nonempty_sequences < n.sequences);  // random_batch: empty ones and ones without response tokens
+          PolicyLossMetrics m;
+          std::vector<double> grad;
+          for (const Batch& mb : mbs) {
+            std::vector<double> g(std::size_t(mb.tokens()));
+            m += cpu::policy_loss(c, n, mb.args(true), g.data(), nullptr);
+            grad.insert(grad.end(), g.begin(), g.end());
+          }
+          if (parts == 1) {
+            ref_grad = grad;
+            ref_loss = m.loss;
+            ref_clip = m.clip_fraction;
+            continue;
+          }
+          INFO("kind " << int(kind) << " aggregation " << int(agg) << " empty " << int(empty) << " parts " << parts);
+          REQUIRE_THAT(m.loss, WithinAbs(ref_loss, 1e-12));
+          REQUIRE_THAT(m.clip_fraction, WithinAbs(ref_clip, 1e-12));
+          REQUIRE(grad.size() == ref_grad.size());
+          double worst = 0;
+          for (std::size_t t = 0; t < grad.size(); ++t) worst = std::max(worst, std::abs(grad[t] - ref_grad[t]));
+          REQUIRE(worst <= 1e-12);
         }
-        if (parts == 1) n = total;
-        REQUIRE(total.tokens == n.tokens);
-        REQUIRE(total.sequences == n.sequences);
-        PolicyLossMetrics m;
-        std::vector<double> grad;
-        for (const Batch& mb : mbs) {
-          std::vector<double> g(std::size_t(mb.tokens()));
-          m += cpu::policy_loss(c, n, mb.args(true), g.data(), nullptr);
-          grad.insert(grad.end(), g.begin(), g.end());
-        }
-        if (parts == 1) {
-          ref_grad = grad;
-          ref_loss = m.loss;
-          ref_clip = m.clip_fraction;
-          continue;
-        }
-        INFO("kind " << int(kind) << " aggregation " << int(agg) << " parts " << parts);
-        REQUIRE_THAT(m.loss, WithinAbs(ref_loss, 1e-12));
-        REQUIRE_THAT(m.clip_fraction, WithinAbs(ref_clip, 1e-12));
-        REQUIRE(grad.size() == ref_grad.size());
-        double worst = 0;
-        for (std::size_t t = 0; t < grad.size(); ++t) worst = std::max(worst, std::abs(grad[t] - ref_grad[t]));
-        REQUIRE(worst <= 1e-12);
       }
-    }
   }
 }
 
@@ -424,16 +564,14 @@ TEST_CASE("policy loss is invariant to the rank and micro-batch split") {
             std::vector<Batch> mbs;
             for (int p = 0; p < parts; ++p)
               mbs.push_back(sequences(all, r * per_rank + p * per_mb, r * per_rank + (p + 1) * per_mb));
-            std::vector<int64_t> counts = {0, 0};
-            for (const Batch& mb : mbs) {
-              const LossNormalizer part = cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
-              counts[0] += part.tokens;
-              counts[1] += part.sequences;
-            }
-            Tensor global = Tensor::from_vector(counts, Shape{2});
+            LossNormalizer part;
+            for (const Batch& mb : mbs)
+              part += cpu::count_normalizer(mb.mask.data(), mb.cu.data(), mb.seqs(), mb.tokens());
+            Tensor global = Tensor::from_vector(
+                std::vector<int64_t>{part.tokens, part.sequences, part.nonempty_sequences}, Shape{3});
             comm.all_reduce(global);
             const auto g = global.to_vector<int64_t>();
-            const LossNormalizer n{g[0], g[1]};
+            const LossNormalizer n{g[0], g[1], g[2]};
             rank_norm[std::size_t(r)] = n;
             std::size_t at = std::size_t(all.cu[std::size_t(r * per_rank)]);
             for (const Batch& mb : mbs) {
@@ -492,7 +630,7 @@ TEST_CASE("identical policy reference and rollout give zero kl and clipping and 
   REQUIRE(n.tokens == 4);
   REQUIRE(n.sequences == 2);
   for (auto kind : {PolicyLossKind::ppo, PolicyLossKind::gspo, PolicyLossKind::cispo}) {
-    for (auto est : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3}) {
+    for (auto est : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3, KlEstimator::low_var_kl}) {
       PolicyLossConfig c;
       c.kind = kind;
       c.kl_coef = 0.5;
@@ -549,7 +687,7 @@ TEST_CASE("policy loss rejects bad inputs") {
   b.cu = {0, 2, 3};
   std::vector<double> g(3);
   PolicyLossConfig c;
-  const LossNormalizer n{3, 2};
+  const LossNormalizer n{3, 2, 2};
   c.kl_coef = 0.1;
   REQUIRE_THROWS_WITH(cpu::policy_loss(c, n, b.args(false), g.data(), nullptr), ContainsSubstring("needs ref_lp"));
   c = {};
@@ -563,7 +701,7 @@ TEST_CASE("policy loss rejects bad inputs") {
   c.eps_clip = -0.1;
   REQUIRE_THROWS_WITH(cpu::policy_loss(c, n, b.args(false), g.data(), nullptr), ContainsSubstring(">= 0"));
   c = {};
-  REQUIRE_THROWS_WITH(cpu::policy_loss(c, LossNormalizer{0, 0}, b.args(false), g.data(), nullptr),
+  REQUIRE_THROWS_WITH(cpu::policy_loss(c, LossNormalizer{0, 0, 0}, b.args(false), g.data(), nullptr),
                       ContainsSubstring("global normaliser is 0"));
   b.cu = {0, 2, 4};
   REQUIRE_THROWS_WITH(cpu::policy_loss(c, n, b.args(false), g.data(), nullptr),

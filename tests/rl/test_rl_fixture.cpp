@@ -1,10 +1,13 @@
 // The CPU reference of the RL objectives against an independent PyTorch
 // implementation (tools/make_rl_fixture.py, float64 and autograd) on a fixed
 // random packed batch of 281 tokens in 10 sequences: GRPO and REINFORCE++
-// advantages, TIS and MIS weights with their metrics, and ten policy-loss
-// configurations (PPO / GSPO / CISPO, every aggregation and KL estimator,
-// unbiased KL, dual clip, importance weights, rejected tokens): the loss, every
-// metric and the gradients with respect to lp and entropy.
+// advantages, the on-policy distillation penalty, TIS and MIS weights with their metrics (the ±20 log-ratio
+// bound, slime's batch renormalisation and ours), and fourteen policy-loss
+// configurations (PPO / GSPO / CISPO, every aggregation and KL estimator k1,
+// k2, k3, low_var_kl, unbiased KL, dual clip with ratios above its threshold,
+// importance weights, rejected tokens, empty sequences counted as slime does or
+// skipped): the loss, every metric and the gradients with respect to lp and
+// entropy.
 //
 // Tolerances: both sides compute in double from the same double inputs; the
 // differences are summation order (~1e-16 relative per sum), so 1e-12
@@ -95,6 +98,12 @@ TEST_CASE("advantages match the pytorch fixture") {
                                         in.kl_shaping.data(), in.mask.data(), in.cu.data(), in.seqs(), in.tokens(),
                                         0.05, true, tok.data());
   CHECK(max_rel_error(tok, f64("adv.reinforce_pp_baseline")) < kTol);
+  // On-policy distillation: coefficient 0.7, the student's logprobs are old_lp.
+  std::vector<double> opd = in.adv, rkl(std::size_t(in.tokens()), 7.0);
+  const std::vector<double> teacher = f64("teacher_lp");
+  cpu::apply_opd(in.old_lp.data(), teacher.data(), in.mask.data(), in.tokens(), 0.7, opd.data(), rkl.data());
+  CHECK(max_rel_error(opd, f64("adv.opd")) < kTol);
+  CHECK(max_rel_error(rkl, f64("opd.reverse_kl")) < kTol);
 }
 
 namespace {
@@ -116,7 +125,8 @@ void check_importance(const Inputs& in, const std::string& name, Policy policy) 
 }
 
 template <class Level>
-void check_mis(const Inputs& in, const std::string& name, int mode, double low, double high, double veto, bool renorm) {
+void check_mis(const Inputs& in, const std::string& name, int mode, double low, double high, double veto,
+               MisRenormalize renorm) {
   switch (mode) {
     case 0:
       return check_importance(in, name, Mis<Level, Truncate>{low, high, veto, renorm});
@@ -138,20 +148,22 @@ TEST_CASE("importance weights match the pytorch fixture") {
     const auto c = f64(name);
     REQUIRE(c.size() == 6);
     const int level = int(c[0]), mode = int(c[1]);
+    const MisRenormalize renorm =
+        std::array{MisRenormalize::off, MisRenormalize::batch, MisRenormalize::kept}[std::size_t(c[5])];
     if (level == 0) {
       REQUIRE(mode == 1);
       REQUIRE(c[4] == 0);
       check_importance(in, is, Tis{c[2], c[3]});
     } else if (level == 1) {
-      check_mis<Token>(in, is, mode, c[2], c[3], c[4], c[5] != 0);
+      check_mis<Token>(in, is, mode, c[2], c[3], c[4], renorm);
     } else if (level == 2) {
-      check_mis<Sequence>(in, is, mode, c[2], c[3], c[4], c[5] != 0);
+      check_mis<Sequence>(in, is, mode, c[2], c[3], c[4], renorm);
     } else {
-      check_mis<Geometric>(in, is, mode, c[2], c[3], c[4], c[5] != 0);
+      check_mis<Geometric>(in, is, mode, c[2], c[3], c[4], renorm);
     }
     ++cases;
   }
-  REQUIRE(cases == 6);
+  REQUIRE(cases == 10);
 }
 
 namespace {
@@ -163,12 +175,13 @@ struct LossCase {
 
 LossCase loss_case(int i) {
   const auto c = f64("loss." + std::to_string(i) + ".config");
-  REQUIRE(c.size() == 11);
+  REQUIRE(c.size() == 12);
   LossCase lc;
   lc.config.kind = std::array{PolicyLossKind::ppo, PolicyLossKind::gspo, PolicyLossKind::cispo}[std::size_t(c[0])];
   lc.config.aggregation = std::array{Aggregation::token_mean, Aggregation::seq_mean_token_mean,
                                      Aggregation::seq_mean_token_sum}[std::size_t(c[1])];
-  lc.config.kl_estimator = std::array{KlEstimator::k1, KlEstimator::k2, KlEstimator::k3}[std::size_t(c[2])];
+  lc.config.kl_estimator =
+      std::array{KlEstimator::k1, KlEstimator::k2, KlEstimator::k3, KlEstimator::low_var_kl}[std::size_t(c[2])];
   lc.config.unbiased_kl = c[3] != 0;
   lc.config.eps_clip = c[4];
   lc.config.eps_clip_high = c[5];
@@ -177,10 +190,11 @@ LossCase loss_case(int i) {
   lc.config.kl_coef = c[8];
   lc.use_weights = c[9] != 0;
   lc.use_keep = c[10] != 0;
+  lc.config.empty_sequences = std::array{EmptySequences::count, EmptySequences::skip}[std::size_t(c[11])];
   return lc;
 }
 
-constexpr int kLossCases = 10;
+constexpr int kLossCases = 14;
 
 }  // namespace
 
@@ -190,7 +204,8 @@ TEST_CASE("policy losses match the pytorch fixture") {
   const std::vector<uint8_t> keep = ints<uint8_t>("is.mis_token_mask.keep");
   const LossNormalizer norm = cpu::count_normalizer(in.mask.data(), in.cu.data(), in.seqs(), in.tokens());
   REQUIRE(norm.tokens == 252);
-  REQUIRE(norm.sequences == 9);
+  REQUIRE(norm.sequences == 10);
+  REQUIRE(norm.nonempty_sequences == 9);
   double clipped = 0, dual = 0;
   for (int i = 0; i < kLossCases; ++i) {
     INFO("loss case " << i);
@@ -221,6 +236,7 @@ TEST_CASE("policy losses match the pytorch fixture") {
   // The fixture reaches the clipped and dual-clipped branches.
   REQUIRE(clipped > 0);
   REQUIRE(dual > 0);
+  REQUIRE(f64("loss.0.metrics")[6] > 0);  // dual clip 3, ratios of 4.5
 }
 
 TEST_CASE("policy loss f32 tensor api matches the pytorch fixture") {
@@ -239,7 +255,7 @@ TEST_CASE("policy loss f32 tensor api matches the pytorch fixture") {
   t.loss_mask = Tensor::from_vector(in.mask, Shape{in.tokens()});
   t.cu_seqlens = Tensor::from_vector(in.cu, Shape{in.seqs() + 1});
   const LossNormalizer norm = count_normalizer(t.loss_mask, t.cu_seqlens);
-  for (int i : {0, 4, 7}) {  // PPO, GSPO and CISPO with weights, rejected tokens, KL and entropy
+  for (int i : {0, 4, 7, 10, 12}) {  // PPO, GSPO and CISPO with weights, rejected tokens, KL and entropy
     INFO("loss case " << i);
     const LossCase lc = loss_case(i);
     REQUIRE(lc.use_weights);

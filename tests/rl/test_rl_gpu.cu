@@ -1,16 +1,20 @@
 // The fused CUDA policy loss against the CPU reference (rl::policy_loss on f32
 // CPU tensors, which computes in double) on fresh random inputs: PPO, GSPO and
-// CISPO, every aggregation and KL estimator, optional inputs present and
-// absent, odd sizes (one token; sequences of 1, 17, 577 tokens; 4099 tokens in
-// all; many short sequences), outputs poisoned with 0xff (NaN) before each
-// call; run-to-run determinism; the identical-policies invariant; errors.
+// CISPO, every aggregation and KL estimator (k1, k2, unclamped k3,
+// low_var_kl), empty sequences counted (slime) or skipped, optional inputs
+// present and absent, odd sizes (one token; sequences of 1, 17, 577 tokens;
+// 4099 tokens in all; many short sequences, empty ones included), outputs
+// poisoned with 0xff (NaN) before each call; slime's definitions on inputs
+// that reach them (k3 > 10 where low_var_kl clamps, ratios of 4.5 over a dual
+// clip of 3, seq_mean_token_sum with KL and entropy); run-to-run determinism;
+// the identical-policies invariant; errors.
 //
 // Tolerances. The kernel's per-token math is fp32 on the same f32 inputs; the
 // reference is double. Per token that is a few fp32 roundings (exp, products):
 // ~1e-6 relative, so grad_lp / grad_entropy need ‖gpu − ref‖ / ‖ref‖ ≤ 1e-5 and
 // every element within 1e-5 · max|ref|. The metrics are fp64 sums of fp32
-// terms whose magnitudes sum to at most ~5 (weights c_t sum to <= 1): absolute
-// 1e-5. Clip decisions must agree exactly: the inputs keep every log-ratio (the
+// terms: within 1e-5 · max(1, |ref|) (the spiked KL values and the token sums
+// of seq_mean_token_sum's pg term exceed 1). Clip decisions must agree exactly: the inputs keep every log-ratio (the
 // GSPO sequence mean included) at least 1e-4 (GSPO: 1e-5) away from the clip
 // bounds, where fp32 rounding (~1e-7) cannot flip them, so the clip fractions
 // (sums of c_t >= 1/4099 each) are compared to 1e-9.
@@ -22,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -160,18 +165,34 @@ void compare_grad(const std::vector<float>& gpu, const std::vector<float>& ref, 
 }
 
 void compare_metrics(const PolicyLossMetrics& g, const PolicyLossMetrics& r) {
-  CHECK(std::abs(g.loss - r.loss) <= 1e-5);
-  CHECK(std::abs(g.pg_loss - r.pg_loss) <= 1e-5);
-  CHECK(std::abs(g.entropy - r.entropy) <= 1e-5);
-  CHECK(std::abs(g.kl - r.kl) <= 1e-5);
-  CHECK(std::abs(g.ppo_kl - r.ppo_kl) <= 1e-5);
+  const auto tol = [](double ref) { return 1e-5 * std::max(1.0, std::abs(ref)); };
+  CHECK(std::abs(g.loss - r.loss) <= tol(r.loss));
+  CHECK(std::abs(g.pg_loss - r.pg_loss) <= tol(r.pg_loss));
+  CHECK(std::abs(g.entropy - r.entropy) <= tol(r.entropy));
+  CHECK(std::abs(g.kl - r.kl) <= tol(r.kl));
+  CHECK(std::abs(g.ppo_kl - r.ppo_kl) <= tol(r.ppo_kl));
   CHECK(std::abs(g.clip_fraction - r.clip_fraction) <= 1e-9);
   CHECK(std::abs(g.dual_clip_fraction - r.dual_clip_fraction) <= 1e-9);
 }
 
+// slime's definitions made visible: on sequences of 3+ tokens, the last token's
+// ratio exp(1.5) = 4.5 (over a dual clip of 3; not for GSPO, whose sequence
+// ratios stay small) and the one before it a reference 3.5 below the policy
+// (k3 = e^3.5 − 4.5 = 28.6: low_var_kl clamps it, k3 does not). The log-ratios
+// stay far from every clip bound and the KL values far from ±10.
+void spike(HostBatch& b, bool ratios) {
+  for (std::size_t s = 0; s + 1 < b.cu.size(); ++s) {
+    const int32_t begin = b.cu[s], end = b.cu[s + 1];
+    if (end - begin < 3) continue;
+    if (ratios) b.lp[std::size_t(end - 1)] = b.old_lp[std::size_t(end - 1)] + 1.5f;
+    b.ref[std::size_t(end - 2)] = b.lp[std::size_t(end - 2)] + 3.5f;
+  }
+}
+
 // Runs one case on the CPU and the GPU and compares; returns the reference.
-PolicyLossMetrics check_case(const Case& c) {
-  const HostBatch b = make_batch(c);
+PolicyLossMetrics check_case(const Case& c, const std::function<void(HostBatch&)>& modify = {}) {
+  HostBatch b = make_batch(c);
+  if (modify) modify(b);
   const PolicyLossTensors cpu_in = to_tensors(b, c, Device::cpu());
   const PolicyLossTensors gpu_in = to_tensors(b, c, Device::cuda(0));
   const LossNormalizer norm = count_normalizer(cpu_in.loss_mask, cpu_in.cu_seqlens);
@@ -179,6 +200,7 @@ PolicyLossMetrics check_case(const Case& c) {
   const LossNormalizer gnorm = count_normalizer(gpu_in.loss_mask, gpu_in.cu_seqlens);
   REQUIRE(gnorm.tokens == norm.tokens);
   REQUIRE(gnorm.sequences == norm.sequences);
+  REQUIRE(gnorm.nonempty_sequences == norm.nonempty_sequences);
   const PolicyLossResult ref = policy_loss(c.config, norm, cpu_in);
   const GpuRun gpu = run_gpu(c, norm, gpu_in);
   compare_metrics(gpu.metrics, ref.metrics);
@@ -210,8 +232,10 @@ TEST_CASE("fused policy loss matches the cpu reference on odd sizes") {
         c.seed = uint32_t(100 + cases);
         c.config.kind = kind;
         c.config.aggregation = agg;
-        c.config.kl_estimator = std::array{KlEstimator::k1, KlEstimator::k2, KlEstimator::k3}[cases % 3];
+        c.config.kl_estimator =
+            std::array{KlEstimator::k1, KlEstimator::k2, KlEstimator::k3, KlEstimator::low_var_kl}[cases % 4];
         c.config.unbiased_kl = cases % 2 == 1;
+        c.config.empty_sequences = cases % 3 == 2 ? EmptySequences::skip : EmptySequences::count;
         c.config.kl_coef = 0.1;
         c.config.entropy_coef = 0.01;
         if (kind == PolicyLossKind::gspo) {
@@ -242,6 +266,58 @@ TEST_CASE("fused policy loss matches the cpu reference on odd sizes") {
   REQUIRE(cases == 36);
   REQUIRE(clipped > 0);  // the random inputs reach the clipped
   REQUIRE(dual > 0);     // and dual-clipped branches
+}
+
+TEST_CASE("fused policy loss matches the cpu reference on slime's definitions") {
+  // Every kind x aggregation x estimator x empty-sequence mode x unbiased, on
+  // many short sequences (empty ones included) plus a long one, with the
+  // spikes above: unclamped k3 against low_var_kl, dual clip reached by ratios
+  // far above it, seq_mean_token_sum's pg-only token sums beside
+  // sequence-mean KL and entropy, and slime's normalisers with empty samples.
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  std::vector<int32_t> lengths = many_short(11, 300);
+  lengths.push_back(0);
+  lengths.push_back(1500);
+  int cases = 0;
+  double dual = 0, kl_k3 = 0, kl_low_var = 0;
+  for (auto kind : {PolicyLossKind::ppo, PolicyLossKind::gspo, PolicyLossKind::cispo}) {
+    for (auto agg : {Aggregation::token_mean, Aggregation::seq_mean_token_mean, Aggregation::seq_mean_token_sum}) {
+      for (auto est : {KlEstimator::k3, KlEstimator::low_var_kl}) {
+        for (auto empty : {EmptySequences::count, EmptySequences::skip}) {
+          for (bool unbiased : {false, true}) {
+            Case c;
+            c.lengths = lengths;
+            c.seed = uint32_t(500 + cases);
+            c.config.kind = kind;
+            c.config.aggregation = agg;
+            c.config.kl_estimator = est;
+            c.config.unbiased_kl = unbiased;
+            c.config.empty_sequences = empty;
+            c.config.kl_coef = 0.1;
+            c.config.entropy_coef = 0.05;
+            if (kind == PolicyLossKind::gspo) {
+              c.config.eps_clip = 3e-4;
+              c.config.eps_clip_high = 4e-4;
+            } else {
+              c.config.eps_clip = 0.2;
+              c.config.eps_clip_high = 0.28;
+              c.config.eps_clip_c = kind == PolicyLossKind::ppo ? 3 : 0;
+            }
+            INFO("case " << cases << ": kind " << int(kind) << ", aggregation " << int(agg) << ", estimator "
+                         << int(est) << ", empty " << int(empty) << ", unbiased " << unbiased);
+            const PolicyLossMetrics m = check_case(c, [&](HostBatch& b) { spike(b, kind != PolicyLossKind::gspo); });
+            CHECK(m.clip_fraction <= 1);
+            dual += m.dual_clip_fraction;
+            (est == KlEstimator::k3 ? kl_k3 : kl_low_var) += m.kl;
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  REQUIRE(cases == 72);
+  REQUIRE(dual > 0);            // ratios of 4.5 over the dual clip of 3
+  REQUIRE(kl_k3 > kl_low_var);  // the spikes' k3 of 28.6 is clamped to 10 by low_var_kl only
 }
 
 TEST_CASE("fused policy loss is deterministic run to run") {
@@ -276,12 +352,12 @@ TEST_CASE("fused policy loss with identical policy reference and rollout gives z
       Tensor::from_vector(std::vector<float>(b.lp.size(), 1.f), Shape{int64_t(b.lp.size())}, Device::cuda(0));
   const LossNormalizer norm = count_normalizer(in.loss_mask, in.cu_seqlens);
   for (auto kind : {PolicyLossKind::ppo, PolicyLossKind::gspo, PolicyLossKind::cispo}) {
-    for (auto est : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3}) {
+    for (auto est : {KlEstimator::k1, KlEstimator::k2, KlEstimator::k3, KlEstimator::low_var_kl}) {
       c.config.kind = kind;
       c.config.kl_estimator = est;
       c.config.kl_coef = 0.5;
       c.config.eps_clip_c = 3;
-      c.config.unbiased_kl = est == KlEstimator::k3;
+      c.config.unbiased_kl = est == KlEstimator::k3 || est == KlEstimator::low_var_kl;
       const PolicyLossResult r = policy_loss(c.config, norm, in);
       CHECK(r.metrics.ppo_kl == 0);
       CHECK(r.metrics.kl == 0);
@@ -298,7 +374,8 @@ TEST_CASE("fused policy loss rejects bad inputs") {
   const HostBatch b = make_batch(c);
   PolicyLossTensors in = to_tensors(b, c, Device::cuda(0));
   const LossNormalizer norm = count_normalizer(in.loss_mask, in.cu_seqlens);
-  CHECK_THROWS_WITH(policy_loss(c.config, LossNormalizer{0, 0}, in), ContainsSubstring("must be > 0"));
+  CHECK_THROWS_WITH(policy_loss(c.config, LossNormalizer{0, 0, 0}, in), ContainsSubstring("must be > 0"));
+  CHECK_THROWS_WITH(policy_loss(c.config, LossNormalizer{5, 1, 2}, in), ContainsSubstring("inconsistent"));
   PolicyLossTensors mixed = in;
   mixed.old_lp = in.old_lp.to(Device::cpu());
   CHECK_THROWS_WITH(policy_loss(c.config, norm, mixed), ContainsSubstring("old_lp must be on cuda:0"));

@@ -1,6 +1,7 @@
 // slime/rl/advantages.hpp: advantage estimators of RL post-training (GRPO,
-// REINFORCE++, REINFORCE++ with a group baseline) and their broadcast to
-// response tokens, on raw pointers (float or double) and CPU Tensors.
+// REINFORCE++, REINFORCE++ with a group baseline), their broadcast to
+// response tokens, and the on-policy distillation penalty, on raw pointers
+// (float or double) and CPU Tensors.
 //
 // Layouts: per-sample rewards [N], grouped by prompt as consecutive runs of
 // `group_sizes` (sum = N); per-token values [T] of packed sequences given by
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "slime/rl/metrics.hpp"
@@ -152,6 +154,32 @@ void reinforce_pp_baseline_advantages(const T* rewards, const int64_t* group_siz
   if (whiten_batch) whiten(out, loss_mask, tokens);
 }
 
+// On-policy distillation (THUDM/slime's --opd-kl-coef, loss.py's
+// apply_opd_kl_to_advantages): a frozen teacher scores the student's sampled
+// tokens and, on every loss token,
+//   reverse_kl_t = student_lp_t − teacher_lp_t     (k1 of KL(student ‖ teacher))
+//   A_t ← A_t − opd_kl_coef · reverse_kl_t
+// after the advantage estimator and before any whitening of the advantages.
+// It enters the advantage, not the loss: the policy-gradient term carries it
+// (clipped and importance-weighted like the reward), with no gradient through
+// reverse_kl itself. student_lp are the logprobs the advantages are computed
+// with (slime's old / rollout logprobs, detached). advantages are updated in
+// place; maybe_reverse_kl [T] is written (=), 0 outside the mask. Returns
+// Σ reverse_kl over the loss tokens.
+template <class T>
+double apply_opd(const T* student_lp, const T* teacher_lp, const uint8_t* loss_mask, int64_t tokens, double opd_kl_coef,
+                 T* advantages, std::type_identity_t<T>* maybe_reverse_kl) {
+  SLIME_CHECK(tokens >= 0, "rl::apply_opd: tokens must be >= 0, got ", tokens);
+  double sum = 0;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const double rkl = loss_mask[t] ? double(student_lp[t]) - double(teacher_lp[t]) : 0.0;
+    if (loss_mask[t]) advantages[t] = T(double(advantages[t]) - opd_kl_coef * rkl);
+    if (maybe_reverse_kl) maybe_reverse_kl[t] = T(rkl);
+    sum += rkl;
+  }
+  return sum;
+}
+
 }  // namespace cpu
 
 // ---- Tensor API: f32 CPU tensors (CUDA tensors throw: only policy_loss has a kernel).
@@ -187,6 +215,24 @@ inline Tensor broadcast_to_tokens(const Tensor& sample_values, const Tensor& cu_
                                   detail::maybe_data<int32_t>(sample_index), cu_seqlens.data<int32_t>(), s,
                                   loss_mask.data<uint8_t>(), tokens, out.data<float>());
   return out;
+}
+
+// f32 CPU tensors [T]: advantages updated in place (see cpu::apply_opd);
+// returns the per-token reverse KL (0 outside the mask).
+inline Tensor apply_opd(Tensor& advantages, const Tensor& student_lp, const Tensor& teacher_lp, const Tensor& loss_mask,
+                        double opd_kl_coef) {
+  constexpr std::string_view fn = "rl::apply_opd";
+  detail::require_cpu(fn, advantages);
+  SLIME_CHECK(advantages.dim() == 1, fn, ": advantages must be 1-d [tokens], got ", advantages.str());
+  const int64_t n = advantages.size(0);
+  detail::check_token_tensor(fn, advantages, DType::f32, n, "advantages");
+  detail::check_token_tensor(fn, student_lp, DType::f32, n, "student_lp");
+  detail::check_token_tensor(fn, teacher_lp, DType::f32, n, "teacher_lp");
+  detail::check_token_tensor(fn, loss_mask, DType::u8, n, "loss_mask");
+  Tensor reverse_kl = Tensor::empty(Shape{n}, DType::f32);
+  (void)cpu::apply_opd<float>(student_lp.data<float>(), teacher_lp.data<float>(), loss_mask.data<uint8_t>(), n,
+                              opd_kl_coef, advantages.data<float>(), reverse_kl.data<float>());
+  return reverse_kl;
 }
 
 }  // namespace slime::rl

@@ -10,12 +10,24 @@
 //
 // Per response token (loss_mask = 1), d_t = old_t − rollout_t:
 //   Tis: w = clamp(exp(d_t), low, high)
-//   Mis<Level, Mode>: ρ = exp(d_t) (Token), exp(Σ_s d) (Sequence) or
-//     exp(mean_s d) (Geometric), then Truncate: w = min(ρ, high); Clip:
-//     w = clamp(ρ, low, high); Mask: w = ρ inside [low, high], else the token is
-//     rejected. Veto (> 0): a sequence with any exp(d_t) < veto is rejected
-//     whole. Renormalise: w ← w / mean(w) over the kept tokens of the call (call
-//     it on the whole step batch, before micro-batching, for split invariance).
+//   Mis<Level, Mode>: ρ = exp(clamp(ℓ, −20, 20)) with the pooled log-ratio
+//     ℓ = d_t (Token), Σ_s d (Sequence) or mean_s d (Geometric) (the ±20
+//     bound is slime's SAFETY_BOUND against overflow), then Truncate:
+//     w = min(ρ, high); Clip: w = clamp(ρ, low, high); Mask: w = ρ inside
+//     [low, high], else the token is rejected. Veto (> 0): a sequence with any
+//     exp(d_t) < veto is rejected whole.
+//   Mis::renormalize, w ← w / mean over the call (call it on the whole step
+//     batch, before micro-batching, for split invariance):
+//     batch: THUDM/slime's --tis-batch-normalize (mis.py): the mean of the
+//       bounded weights before rejection over every loss token (Token), or
+//       the mean over every sequence of the call, empty ones included, of
+//       its mean weight (Sequence; Geometric likewise, where slime raises);
+//       no division when the mean is ≤ 1e-8;
+//     kept (ours): the mean over the kept tokens, so the weights that enter
+//       the loss average exactly 1 (rejected weights, which can be far
+//       outside the bounds under Mask, do not move the scale).
+//     slime applies it per micro-batch; ours applies to whatever the call
+//     covers.
 // Rejected tokens get w = 0 and keep = 0: they leave the loss's numerator only
 // (policy_loss keeps the original mask count in the denominator).
 // Outputs [tokens] are written (=); outside the mask w = 0, keep = 0.
@@ -41,6 +53,11 @@ struct Truncate {};
 struct Clip {};
 struct Mask {};
 
+// slime's SAFETY_BOUND: |pooled log-ratio| before exp.
+inline constexpr double mis_log_ratio_bound = 20.0;
+// Mis::renormalize (see the top of the file).
+enum class MisRenormalize { off, batch, kept };
+
 struct Tis {
   double low = 0;
   double high = 2;
@@ -57,7 +74,7 @@ struct Mis {
   double low = 0.5;
   double high = 2;
   double veto = 0;  // reject a sequence with a token ratio below it; 0: off
-  bool renormalize = false;
+  MisRenormalize renormalize = MisRenormalize::off;
 };
 
 // Additive sums (combine micro-batches with +=); the accessors give the means.
@@ -119,6 +136,9 @@ class ImportanceSampler {
                             int64_t num_seqs, int64_t tokens, T* weights, uint8_t* keep) const {
     detail::check_cu_seqlens("rl::ImportanceSampler", cu_seqlens, num_seqs, tokens);
     ImportanceMetrics m;
+    // MisRenormalize::batch: Σ bounded weights (before rejection) over the loss
+    // tokens, and Σ over sequences of each one's mean weight.
+    double batch_token_sum = 0, batch_seq_mean_sum = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
       const int64_t begin = cu_seqlens[s], end = cu_seqlens[s + 1];
       double sum = 0;
@@ -133,6 +153,7 @@ class ImportanceSampler {
           if (policy_.veto > 0 && std::exp(d) < policy_.veto) vetoed = true;
         }
       }
+      double seq_weight_sum = 0;
       for (int64_t t = begin; t < end; ++t) {
         weights[t] = T(0);
         keep[t] = 0;
@@ -154,7 +175,7 @@ class ImportanceSampler {
           double log_rho = d;
           if constexpr (std::is_same_v<L, Sequence>) log_rho = sum;
           if constexpr (std::is_same_v<L, Geometric>) log_rho = sum / double(n);
-          const double rho = std::exp(log_rho);
+          const double rho = std::exp(std::clamp(log_rho, -mis_log_ratio_bound, mis_log_ratio_bound));
           if constexpr (std::is_same_v<M, Truncate>) {
             w = std::min(rho, policy_.high);
             clipped = rho > policy_.high;
@@ -168,6 +189,7 @@ class ImportanceSampler {
           }
         }
         m.clipped += clipped ? 1 : 0;
+        seq_weight_sum += w;
         if (rejected) {
           m.rejected += 1;
           continue;
@@ -176,13 +198,23 @@ class ImportanceSampler {
         keep[t] = 1;
         m.kept += 1;
       }
+      batch_token_sum += seq_weight_sum;
+      batch_seq_mean_sum += n > 0 ? seq_weight_sum / double(n) : 0.0;
     }
-    bool renormalize = false;
-    if constexpr (!std::is_same_v<Policy, Tis>) renormalize = policy_.renormalize;
-    double sum_w = 0;
-    for (int64_t t = 0; t < tokens; ++t) sum_w += keep[t] ? double(weights[t]) : 0.0;
-    if (renormalize && m.kept > 0 && sum_w > 0) {
-      const double scale = m.kept / sum_w;
+    double scale = 1;
+    if constexpr (!std::is_same_v<Policy, Tis>) {
+      if (policy_.renormalize == MisRenormalize::kept) {
+        double sum_w = 0;
+        for (int64_t t = 0; t < tokens; ++t) sum_w += keep[t] ? double(weights[t]) : 0.0;
+        if (m.kept > 0 && sum_w > 0) scale = m.kept / sum_w;
+      } else if (policy_.renormalize == MisRenormalize::batch) {
+        const double mean = std::is_same_v<typename Policy::level, Token>
+                                ? batch_token_sum / std::max(m.tokens, 1.0)
+                                : (num_seqs > 0 ? batch_seq_mean_sum / double(num_seqs) : 0.0);
+        if (mean > 1e-8) scale = 1 / mean;
+      }
+    }
+    if (scale != 1) {
       for (int64_t t = 0; t < tokens; ++t) {
         if (keep[t]) weights[t] = T(double(weights[t]) * scale);
       }

@@ -4,11 +4,16 @@
 //
 //   k1 = lp − ref                                   d/dlp = 1
 //   k2 = (lp − ref)² / 2                            d/dlp = lp − ref
-//   k3 = exp(ref − lp) − (ref − lp) − 1, clamped to [−10, 10]
-//                                                   d/dlp = 1 − exp(ref − lp), 0 where clamped
+//   k3 = exp(ref − lp) − (ref − lp) − 1              d/dlp = 1 − exp(ref − lp)
+//   low_var_kl = k3 clamped to [−10, 10]            d/dlp as k3, 0 where clamped
 // Unbiased option: kl · exp(lp − old), the importance ratio from the sampling
-// policy (old) to the current one, with the gradient through both factors.
+// policy (old) to the current one, with the gradient through both factors;
+// low_var_kl clamps the product.
 // All inputs are natural-log probabilities of the sampled tokens.
+//
+// These are THUDM/slime's --kl-loss-type estimators (slime/utils/ppo_utils.py,
+// compute_approx_kl), its default k1 included: k3 is unclamped there, and
+// only low_var_kl clamps, after the importance ratio.
 #pragma once
 
 #include <cmath>
@@ -19,9 +24,10 @@
 
 namespace slime::rl {
 
-enum class KlEstimator { k1, k2, k3 };
+enum class KlEstimator { k1, k2, k3, low_var_kl };
 
-inline constexpr double k3_clamp = 10.0;
+// low_var_kl's bound on |KL| per token.
+inline constexpr double low_var_kl_clamp = 10.0;
 
 // The estimator's value at one token and its derivative with respect to lp.
 template <class T>
@@ -30,31 +36,49 @@ struct KlTerm {
   T grad;  // d value / d lp
 };
 
+namespace detail {
+
+// The estimator before low_var_kl's clamp (low_var_kl: k3).
 template <class T>
-inline KlTerm<T> kl_term(KlEstimator estimator, T lp, T ref) {
+inline KlTerm<T> kl_unclamped(KlEstimator estimator, T lp, T ref) {
   switch (estimator) {
     case KlEstimator::k1:
       return {lp - ref, T(1)};
     case KlEstimator::k2:
       return {(lp - ref) * (lp - ref) / T(2), lp - ref};
-    case KlEstimator::k3: {
+    case KlEstimator::k3:
+    case KlEstimator::low_var_kl: {
       const T d = ref - lp;
       const T e = std::exp(d);
-      const T v = e - d - T(1);
-      if (v > T(k3_clamp)) return {T(k3_clamp), T(0)};
-      if (v < T(-k3_clamp)) return {T(-k3_clamp), T(0)};
-      return {v, T(1) - e};
+      return {e - d - T(1), T(1) - e};
     }
   }
   SLIME_FAIL("kl_term: unknown estimator");
 }
 
-// With the unbiased correction: value · r, r = exp(lp − old); d/dlp = r · (grad + value).
+// low_var_kl: the value clamped to [−10, 10], no gradient where clamped.
+template <class T>
+inline KlTerm<T> clamp_low_var(KlEstimator estimator, KlTerm<T> k) {
+  if (estimator != KlEstimator::low_var_kl) return k;
+  if (k.value > T(low_var_kl_clamp)) return {T(low_var_kl_clamp), T(0)};
+  if (k.value < T(-low_var_kl_clamp)) return {T(-low_var_kl_clamp), T(0)};
+  return k;
+}
+
+}  // namespace detail
+
+template <class T>
+inline KlTerm<T> kl_term(KlEstimator estimator, T lp, T ref) {
+  return detail::clamp_low_var(estimator, detail::kl_unclamped(estimator, lp, ref));
+}
+
+// With the unbiased correction: value · r, r = exp(lp − old); d/dlp = r · (grad + value);
+// low_var_kl clamps the product (as slime does).
 template <class T>
 inline KlTerm<T> kl_term_unbiased(KlEstimator estimator, T lp, T ref, T old) {
-  const KlTerm<T> k = kl_term(estimator, lp, ref);
+  const KlTerm<T> k = detail::kl_unclamped(estimator, lp, ref);
   const T r = std::exp(lp - old);
-  return {k.value * r, r * (k.grad + k.value)};
+  return detail::clamp_low_var(estimator, KlTerm<T>{k.value * r, r * (k.grad + k.value)});
 }
 
 namespace cpu {

@@ -15,15 +15,32 @@
 //   cispo:    pg = −sg(clip(r, 1 − eps_clip, 1 + eps_clip_high))·A·lp
 //   pg ← w·pg with importance weights w (no gradient through w)
 //   ℓ = pg − entropy_coef·H + kl_coef·KL(lp, ref)
-// Loss = Σ_t c_t·k_t·ℓ_t with k_t = loss_mask·keep (rejected tokens leave the
-// numerator) and c_t from the aggregation, whose denominators use loss_mask
-// (the original mask count) and the GLOBAL counts of LossNormalizer:
-//   token_mean:           c_t = 1 / N_tokens
-//   seq_mean_token_mean:  c_t = 1 / (n_s · N_seqs)
-//   seq_mean_token_sum:   c_t = 1 / N_seqs
+// Loss = Σ_t k_t·(c_pg·pg_t + c_t·(kl_coef·KL_t − entropy_coef·H_t)) with
+// k_t = loss_mask·keep (rejected tokens leave the numerator) and c from the
+// aggregation, whose denominators use loss_mask (the original mask count) and
+// the GLOBAL counts of LossNormalizer (n_s: sequence s's loss tokens):
+//   token_mean:           c_pg = c_t = 1 / N_tokens
+//   seq_mean_token_mean:  c_pg = c_t = 1 / (n_s · N_seqs)
+//   seq_mean_token_sum:   c_pg = 1 / N_seqs, c_t = 1 / (n_s · N_seqs)
+// seq_mean_token_sum (Dr. GRPO) reduces the policy-gradient term only, as
+// THUDM/slime's --custom-pg-loss-reducer-function-path does: the KL and
+// entropy terms and every metric but pg_loss keep the per-sequence mean.
+// Empty sequences (no loss token) follow EmptySequences:
+//   count (default, slime's): N_seqs counts every sequence of the step and
+//     N_tokens = Σ_s max(n_s, 1) (slime's step_global_batch_size and
+//     Megatron's per-token num_tokens), so a fully masked sample dilutes the
+//     step like a sample whose loss is 0;
+//   skip (ours, an option): N_seqs counts the sequences with n_s > 0 and
+//     N_tokens = Σ_s n_s, so the loss scale does not depend on how many
+//     samples were masked out (e.g. removed or over-long ones).
 // So the loss and gradient of a batch are the sums over its micro-batches
 // (and ranks), whatever the split, as long as sequences are not cut.
-// Metrics are aggregated with the same weights, so they add up likewise.
+// Metrics are aggregated with the weights c_t (pg_loss with c_pg), so they
+// add up likewise. clip_fraction is the c_t-weighted share of tokens whose
+// clipped branch is taken (slime's pg_clipfrac through its sum_of_sample_mean):
+// the fraction of loss tokens under token_mean, the mean over sequences of
+// each one's fraction otherwise, so it is ≤ 1 under every aggregation (and
+// below the plain fraction by the share of empty sequences under count).
 #pragma once
 
 #include <algorithm>
@@ -43,6 +60,8 @@ namespace slime::rl {
 
 enum class PolicyLossKind { ppo, gspo, cispo };
 enum class Aggregation { token_mean, seq_mean_token_mean, seq_mean_token_sum };
+// Whether sequences without loss tokens count in the normalisers (see above).
+enum class EmptySequences { count, skip };
 
 struct PolicyLossConfig {
   PolicyLossKind kind = PolicyLossKind::ppo;
@@ -51,16 +70,36 @@ struct PolicyLossConfig {
   double eps_clip_c = 0;       // dual clip (> 1) for negative advantages; 0: off
   double entropy_coef = 0;
   double kl_coef = 0;
-  KlEstimator kl_estimator = KlEstimator::k3;
-  bool unbiased_kl = false;  // KL · exp(lp − old)
+  KlEstimator kl_estimator = KlEstimator::k1;  // slime's --kl-loss-type default
+  bool unbiased_kl = false;                    // KL · exp(lp − old)
   Aggregation aggregation = Aggregation::token_mean;
+  EmptySequences empty_sequences = EmptySequences::count;
 };
 
 // Global counts over the whole step batch (all micro-batches, all ranks).
 struct LossNormalizer {
-  int64_t tokens = 0;     // Σ loss_mask
-  int64_t sequences = 0;  // sequences with at least one loss token
+  int64_t tokens = 0;              // Σ loss_mask
+  int64_t sequences = 0;           // every sequence
+  int64_t nonempty_sequences = 0;  // sequences with at least one loss token
+
+  LossNormalizer& operator+=(const LossNormalizer& o) {
+    tokens += o.tokens;
+    sequences += o.sequences;
+    nonempty_sequences += o.nonempty_sequences;
+    return *this;
+  }
 };
+
+// The denominators of token_mean (N_tokens) and of the sequence means (N_seqs).
+struct LossDenominators {
+  int64_t tokens = 0;
+  int64_t sequences = 0;
+};
+
+inline LossDenominators loss_denominators(EmptySequences empty, const LossNormalizer& n) {
+  if (empty == EmptySequences::skip) return {n.tokens, n.nonempty_sequences};
+  return {n.tokens + (n.sequences - n.nonempty_sequences), n.sequences};
+}
 
 // Additive: the metrics of a batch are the sums over its micro-batches.
 // Each is aggregated with the loss's weights c_t·k_t.
@@ -70,7 +109,7 @@ struct PolicyLossMetrics {
   double entropy = 0;
   double kl = 0;
   double ppo_kl = 0;         // old − lp (GSPO: the sequence mean)
-  double clip_fraction = 0;  // ratio outside [1 − eps_clip, 1 + eps_clip_high] where it changes pg
+  double clip_fraction = 0;  // ratio outside [1 − eps_clip, 1 + eps_clip_high] where it changes pg (≤ 1)
   double dual_clip_fraction = 0;
 
   PolicyLossMetrics& operator+=(const PolicyLossMetrics& o) {
@@ -92,6 +131,13 @@ inline void check_loss_config(std::string_view fn, const PolicyLossConfig& c) {
               c.eps_clip, " and ", c.eps_clip_high);
   SLIME_CHECK(c.eps_clip <= 1, fn, ": eps_clip must be <= 1 (lower bound 1 − eps_clip >= 0), got ", c.eps_clip);
   SLIME_CHECK(c.eps_clip_c == 0 || c.eps_clip_c > 1, fn, ": eps_clip_c must be 0 (off) or > 1, got ", c.eps_clip_c);
+}
+
+inline void check_normalizer(std::string_view fn, const LossNormalizer& n) {
+  SLIME_CHECK(n.tokens >= 0 && n.nonempty_sequences >= 0 && n.sequences >= n.nonempty_sequences &&
+                  n.tokens >= n.nonempty_sequences,
+              fn, ": inconsistent LossNormalizer (tokens ", n.tokens, ", sequences ", n.sequences, ", non-empty ",
+              n.nonempty_sequences, "); sum count_normalizer over the step batch");
 }
 
 }  // namespace detail
@@ -123,7 +169,8 @@ inline LossNormalizer count_normalizer(const uint8_t* loss_mask, const int32_t* 
     int64_t c = 0;
     for (int64_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) c += loss_mask[t] ? 1 : 0;
     n.tokens += c;
-    n.sequences += c > 0 ? 1 : 0;
+    n.sequences += 1;
+    n.nonempty_sequences += c > 0 ? 1 : 0;
   }
   return n;
 }
@@ -141,8 +188,8 @@ PolicyLossMetrics policy_loss(const PolicyLossConfig& config, const LossNormaliz
   SLIME_CHECK(config.kl_coef == 0 || a.maybe_ref_lp, fn, ": kl_coef = ", config.kl_coef, " needs ref_lp");
   SLIME_CHECK(config.entropy_coef == 0 || a.maybe_entropy, fn, ": entropy_coef = ", config.entropy_coef,
               " needs entropy");
-  const bool by_tokens = config.aggregation == Aggregation::token_mean;
-  SLIME_CHECK(by_tokens ? norm.tokens >= 0 : norm.sequences >= 0, fn, ": negative normaliser");
+  detail::check_normalizer(fn, norm);
+  const LossDenominators den = loss_denominators(config.empty_sequences, norm);
 
   const double lo = 1 - config.eps_clip, hi = 1 + config.eps_clip_high;
   PolicyLossMetrics m;
@@ -161,20 +208,22 @@ PolicyLossMetrics policy_loss(const PolicyLossConfig& config, const LossNormaliz
     }
     if (n_s == 0) continue;
     seq_log_ratio /= double(n_s);
-    double c = 0;
+    // c: the weight of the KL and entropy terms and of the metrics; c_pg: of the pg term.
+    double c = 0, c_pg = 0;
     switch (config.aggregation) {
       case Aggregation::token_mean:
-        c = 1.0 / double(norm.tokens);
+        c = c_pg = 1.0 / double(den.tokens);
         break;
       case Aggregation::seq_mean_token_mean:
-        c = 1.0 / (double(n_s) * double(norm.sequences));
+        c = c_pg = 1.0 / (double(n_s) * double(den.sequences));
         break;
       case Aggregation::seq_mean_token_sum:
-        c = 1.0 / double(norm.sequences);
+        c = 1.0 / (double(n_s) * double(den.sequences));
+        c_pg = 1.0 / double(den.sequences);
         break;
     }
-    SLIME_CHECK(std::isfinite(c), fn, ": the global normaliser is 0 but micro-batch has loss tokens");
-    // GSPO: Σ_t c·k_t·w_t·(dpg_t/dr)·r, spread over the sequence's tokens as d r / d lp_u = r·m_u / n_s.
+    SLIME_CHECK(std::isfinite(c_pg), fn, ": the global normaliser is 0 but micro-batch has loss tokens");
+    // GSPO: Σ_t c_pg·k_t·w_t·(dpg_t/dr)·r, spread over the sequence's tokens as d r / d lp_u = r·m_u / n_s.
     double gspo_grad = 0;
     for (int64_t t = begin; t < end; ++t) {
       if (!a.loss_mask[t]) continue;
@@ -221,18 +270,18 @@ PolicyLossMetrics policy_loss(const PolicyLossConfig& config, const LossNormaliz
       }
       const double h = a.maybe_entropy ? double(a.maybe_entropy[t]) : 0.0;
       if (!keep) continue;
-      m.pg_loss += c * pg;
+      m.pg_loss += c_pg * pg;
       m.entropy += c * h;
       m.kl += c * kl;
       m.ppo_kl += c * -log_ratio;
       m.clip_fraction += clipped ? c : 0.0;
       m.dual_clip_fraction += dual ? c : 0.0;
-      m.loss += c * (pg - config.entropy_coef * h + config.kl_coef * kl);
-      double g = c * (dpg_dlp + config.kl_coef * dkl);
+      m.loss += c_pg * pg + c * (config.kl_coef * kl - config.entropy_coef * h);
+      double g = c_pg * dpg_dlp + c * config.kl_coef * dkl;
       if (config.kind == PolicyLossKind::gspo) {
-        gspo_grad += c * dpg_dratio * ratio;
+        gspo_grad += c_pg * dpg_dratio * ratio;
       } else {
-        g += c * dpg_dratio * ratio;
+        g += c_pg * dpg_dratio * ratio;
       }
       grad_lp[t] = T(g);
       if (maybe_grad_entropy) maybe_grad_entropy[t] = T(-config.entropy_coef * c);
@@ -397,9 +446,11 @@ inline void policy_loss_into(const PolicyLossConfig& config, const LossNormalize
     return;
   }
 #if SLIME_HAS_CUDA
+  detail::check_normalizer(fn, norm);
+  const LossDenominators den = loss_denominators(config.empty_sequences, norm);
   const bool by_tokens = config.aggregation == Aggregation::token_mean;
-  SLIME_CHECK(n == 0 || (by_tokens ? norm.tokens > 0 : norm.sequences > 0), fn, ": the global normaliser (",
-              by_tokens ? "tokens = " : "sequences = ", by_tokens ? norm.tokens : norm.sequences, ") must be > 0 on ",
+  SLIME_CHECK(n == 0 || (by_tokens ? den.tokens > 0 : den.sequences > 0), fn, ": the global normaliser (",
+              by_tokens ? "tokens = " : "sequences = ", by_tokens ? den.tokens : den.sequences, ") must be > 0 on ",
               dev, " (sum count_normalizer over the whole step batch)");
   static_assert(kPolicyLossMetricCount == std::size_t(cuda::kPolicyLossMetrics));
   const Stream st = stream.device() == dev ? stream : Stream::default_for(dev);
@@ -414,8 +465,8 @@ inline void policy_loss_into(const PolicyLossConfig& config, const LossNormalize
   p.eps_clip_c = float(config.eps_clip_c);
   p.entropy_coef = float(config.entropy_coef);
   p.kl_coef = float(config.kl_coef);
-  p.norm_tokens = norm.tokens;
-  p.norm_sequences = norm.sequences;
+  p.norm_tokens = den.tokens;
+  p.norm_sequences = den.sequences;
   p.lp = in.lp.data<float>();
   p.old_lp = in.old_lp.data<float>();
   p.advantages = in.advantages.data<float>();

@@ -32,7 +32,7 @@ struct PolicyLossParams {
   KlEstimator kl_estimator;
   bool unbiased_kl;
   float eps_clip, eps_clip_high, eps_clip_c, entropy_coef, kl_coef;
-  int64_t norm_tokens, norm_sequences;  // the global LossNormalizer (> 0 where the aggregation divides by it)
+  int64_t norm_tokens, norm_sequences;  // loss_denominators(): N_tokens, N_seqs (> 0 where divided by)
   const float* lp;                      // [tokens]
   const float* old_lp;                  // [tokens]
   const float* advantages;              // [tokens]
