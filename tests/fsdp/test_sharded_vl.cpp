@@ -544,7 +544,7 @@ Result ep_sharded(const nn::Qwen3VLConfig& c, int dp, int nep, const std::filesy
 
 }  // namespace
 
-TEST_CASE("Sharded<Qwen3VLModel> with ExpertParallel equals the unsharded Qwen3-VL-MoE; its HF export loads back",
+TEST_CASE("Sharded<Qwen3VLModel> with ExpertParallel equals the unsharded Qwen3-VL-MoE, and its HF export loads back",
           "[fsdp][vl][ep]") {
   const nn::Qwen3VLConfig c = vl_config(true, kExperts);
   struct Case {
