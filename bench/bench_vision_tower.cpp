@@ -80,6 +80,7 @@
 #include "slime/core/tensor.hpp"
 #include "slime/nn/module.hpp"
 #include "slime/nn/vision.hpp"
+#include "slime/ops/attention.hpp"
 #include "slime/ops/elementwise.hpp"
 
 namespace {
@@ -344,14 +345,67 @@ void run_tower(benchmark::State& state, TowerShape s, bool backward) {
   });
 }
 
+// vision_tower/<shape>/attention_fwd_bwd: the tower's attention alone, as the
+// tower runs it (depth x (forward + backward), 16 heads of 64, one non-causal
+// segment per image, bf16 q, k, v ~ N(0, 1)): the share of the fwd_bwd row's
+// time that attention takes. FLOP = depth · 3 · 4 · Σ_img n² · hidden
+// (backward counted as 2x forward, as tower_flop does).
+void run_attention(benchmark::State& state, TowerShape s) {
+  if (slime::bench::skip_without_cuda(state)) return;
+  slime::bench::run_or_skip(state, [&] {
+    const Device d = Device::cuda(0);
+    const Stream st = Stream::create(d);
+    const Qwen3VLVisionConfig c = tower_2b_config();
+    const std::vector<GridThw> grids = grids_of(c, s);
+    const int64_t P = patches_of(grids), H = c.num_heads, hd = c.head_dim();
+    std::vector<int32_t> cu{0};
+    int max_len = 0;
+    double pairs = 0;
+    for (const GridThw& g : grids) {
+      cu.push_back(int32_t(cu.back() + g[1] * g[2]));
+      max_len = std::max(max_len, int(g[1] * g[2]));
+      pairs += double(g[1] * g[2]) * double(g[1] * g[2]);
+    }
+    const Tensor cu_t = Tensor::from_vector(cu, {int64_t(cu.size())}, d, st);
+    const auto make = [&](uint64_t seed) {
+      Tensor t = Tensor::empty({P, H, hd}, DType::bf16, d, st);
+      slime::fill_normal(t, seed, 0, 0.f, 1.f, st);
+      return t;
+    };
+    const Tensor q = make(11), k = make(12), v = make(13), d_o = make(14);
+    const Tensor o = Tensor::empty({P, H, hd}, DType::bf16, d, st), dq = o.clone(st), dk = o.clone(st),
+                 dv = o.clone(st);
+    const Tensor lse = Tensor::empty({P, H}, DType::f32, d, st);
+    const Tensor ws =
+        Tensor::empty({std::max<int64_t>(slime::ops::attention_backward_workspace_elems(q), 1)}, DType::f32, d, st);
+    slime::ops::AttentionOptions opt;
+    opt.causal = false;
+    const auto layer = [&] {
+      slime::ops::attention_forward(q, k, v, cu_t, cu_t, max_len, max_len, o, lse, opt, st);
+      slime::ops::attention_backward(q, k, v, o, lse, d_o, cu_t, cu_t, max_len, max_len, dq, dk, dv, opt, ws, st);
+    };
+    const double t = slime::bench::time_batches(state, st, kWarmup, kBatch, [&] {
+      for (int l = 0; l < c.depth; ++l) layer();
+    });
+    const double flop = double(c.depth) * 3.0 * 4.0 * pairs * double(c.hidden_size);
+    state.counters["TFLOPs"] = slime::bench::per_second(flop, t, 1e12);
+    state.counters["flop"] = flop;
+    state.counters["patches"] = double(P);
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (const TowerShape& s : kShapes)
+  for (const TowerShape& s : kShapes) {
     for (const bool backward : {false, true})
       slime::bench::register_manual(
           std::string("vision_tower/") + s.name + (backward ? "/fwd_bwd" : "/fwd"),
           [s, backward](benchmark::State& st) { run_tower(st, s, backward); }, benchmark::kMillisecond, kIterations,
           kRepetitions);
+    slime::bench::register_manual(
+        std::string("vision_tower/") + s.name + "/attention_fwd_bwd",
+        [s](benchmark::State& st) { run_attention(st, s); }, benchmark::kMillisecond, kIterations, kRepetitions);
+  }
   return slime::bench::run_benchmarks(argc, argv);
 }

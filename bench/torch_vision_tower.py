@@ -205,9 +205,39 @@ def bench_impl(args, classes, cfg, shapes, attn, device, suffix):
             print(json.dumps(row), flush=True)
         del pixels, grid, r, rs
         empty_cache(device)
+        if not suffix:  # the tower's attention alone, as SDPA runs it in the model (once: not per backend row)
+            rows.append(attention_row(args, cfg, name, images, side, device))
+            print(json.dumps(rows[-1]), flush=True)
     del model
     empty_cache(device)
     return rows, failed
+
+
+def attention_row(args, cfg, name, images, side, device):
+    """vision_tower/<name>/attention_fwd_bwd: depth x SDPA forward + backward over
+    [images, heads, n, head_dim] bf16, non-causal (what the tower's attention
+    does per image), as bench_vision_tower's row of that name."""
+    heads, hd = cfg["num_heads"], cfg["hidden_size"] // cfg["num_heads"]
+    n = (side // cfg["patch_size"]) ** 2
+    g = torch.Generator(device=device).manual_seed(11)
+    q, k, v = (torch.randn(images, heads, n, hd, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    do = torch.randn(images, heads, n, hd, device=device, dtype=torch.bfloat16, generator=g)
+    F = torch.nn.functional
+
+    def run():
+        for _ in range(cfg["depth"]):
+            F.scaled_dot_product_attention(q, k, v, is_causal=False).backward(do)
+
+    row = {"bench": f"vision_tower/{name}/attention_fwd_bwd", "images": images, "patches": images * n}
+    try:
+        us = time_us(run, args, device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        row["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return row
+    f = cfg["depth"] * 3.0 * 4.0 * images * n * n * cfg["hidden_size"]
+    row.update({"us": us, "tflops": bench_util.tflops(f, us), "flop": f})
+    return row
 
 
 def time_us(run, args, device):
