@@ -43,7 +43,7 @@ def make_config():
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=64,  # the CUDA attention kernels support 64 and 128
+        head_dim=64,  # one of the CUDA attention kernels' head dims
         max_position_embeddings=128,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
