@@ -109,10 +109,10 @@ inline void read_fused_experts(const Tensor& fused, Parameter& p, int64_t expert
   const bool hub = std::vector<int64_t>(fused.shape().begin(), fused.shape().end()) != fused_expert_dims(p, experts);
   const int64_t n = p.value.size(0), out = p.value.size(1), in = p.value.size(2);
   const int64_t rows = fused.size(1), cols = fused.size(2), offset = slot.half > 0 ? out : 0;
-  const std::vector<float> src = fused.to_vector<float>();
+  const float* src = fused.data<float>();
   std::vector<float> dst(std::size_t(n * out * in));
   for (int64_t i = 0; i < n; ++i) {
-    const float* e = src.data() + (p.first_expert + i) * rows * cols;
+    const float* e = src + (p.first_expert + i) * rows * cols;
     for (int64_t o = 0; o < out; ++o)
       for (int64_t k = 0; k < in; ++k)
         dst[std::size_t((i * out + o) * in + k)] = hub ? e[k * cols + offset + o] : e[(offset + o) * cols + k];
@@ -208,6 +208,8 @@ inline void load_hf_weights(Qwen3Model& model, const io::SafetensorsDir& files, 
               " model with this config): ", detail::join_names(unexpected));
   SLIME_CHECK(bad_shape.empty(), where, ": ", bad_shape.size(),
               " tensor(s) with the wrong shape: ", detail::join_names(bad_shape));
+  std::string fused_name;  // the fused tensor last read: gate and up come from one gate_up_proj
+  Tensor fused;
   model.for_each_parameter([&](Parameter& p) {
     if (!p.is_expert_stack()) {
       files.read_into(p.name, p.value);
@@ -215,7 +217,11 @@ inline void load_hf_weights(Qwen3Model& model, const io::SafetensorsDir& files, 
     }
     if (layout == ExpertLayout::fused) {
       const std::string name = detail::fused_expert_slot(p).name;
-      detail::read_fused_experts(files.file_of(name).read(name, DType::f32), p, config.num_experts);
+      if (name != fused_name) {
+        fused = files.file_of(name).read(name, DType::f32);
+        fused_name = name;
+      }
+      detail::read_fused_experts(fused, p, config.num_experts);
       return;
     }
     for (int64_t i = 0; i < p.value.size(0); ++i) {
