@@ -166,7 +166,6 @@ struct VLBatch {
   Tensor pixel_values;                 // [P, patch_dim] in the model's dtype; undefined without images
   std::vector<GridThw> grids;          // per image, in the order of its placeholder run in `text`
   Tensor image_rows;                   // i32 [N]: the rows of the image-pad tokens, increasing
-  std::vector<int32_t> next_position;  // per sequence: MRoPE position after its last token (decoding resumes there)
 
   int64_t num_tokens() const { return text.num_tokens(); }
   bool has_images() const { return !grids.empty(); }
@@ -211,7 +210,6 @@ inline VLBatch make_vl_batch(std::span<const VLSequence> sequences, const Qwen3V
       SLIME_FAIL("make_vl_batch: sequence ", i, ": ", e.message());
     }
     positions.insert(positions.end(), p.positions.begin(), p.positions.end());
-    b.next_position.push_back(p.next_position);
     for (std::size_t t = 0; t < s.tokens.size() && t < text_from; ++t)
       if (s.tokens[t] == config.image_token_id) rows.push_back(int32_t(offset + int64_t(t)));
     int64_t want = 0;
