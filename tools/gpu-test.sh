@@ -25,6 +25,9 @@
 #                                 search alone takes up to a minute)
 #   SLIME_GPU_TEST_TESTS=none     skip the ctest steps (benchmarks only)
 #   SLIME_GPU_TEST_TESTS=gpu      only the gpu and multi_gpu labels (once, all GPUs)
+#   SLIME_GPU_TEST_TESTS=re:REGEX only the tests whose names match REGEX (ctest -R)
+#   SLIME_GPU_TEST_TARGETS="a b"  build only these targets (default: everything);
+#                                 for a kernel's edit-build-measure loop
 #
 # NVLink multicast (NVLS) stays off: NCCL_NVLS_ENABLE=0 for every step (slime
 # never enables it; on shared hosts a program using it can take the GPUs out
@@ -51,6 +54,8 @@ bench_cap() {
     # 10 rows up to 5.2e13 FLOP a call, after building a 407M-parameter tower
     # and the small tower's CPU f32 reference check.
     vision_tower) echo 150 ;;
+    # 6 shapes x 3 passes x 9 rows (every tile, cuBLAS, the dense reference).
+    grouped_gemm) echo 150 ;;
     *) echo 90 ;;
   esac
 }
@@ -147,7 +152,12 @@ step configure 120 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -D
   -DCMAKE_CUDA_ARCHITECTURES=90a
 # -k 0: build every target that can be built, so one broken file does not
 # keep the other tests from running.
-step build 300 cmake --build "$BUILD" -j "$JOBS" -- -k 0
+if [[ -n ${SLIME_GPU_TEST_TARGETS:-} ]]; then
+  # shellcheck disable=SC2086 # a space-separated list of targets
+  step build 300 cmake --build "$BUILD" -j "$JOBS" --target $SLIME_GPU_TEST_TARGETS -- -k 0
+else
+  step build 300 cmake --build "$BUILD" -j "$JOBS" -- -k 0
+fi
 
 # ---- tests ----------------------------------------------------------------------
 if [[ $TESTS_SEL == all ]]; then
@@ -155,7 +165,10 @@ if [[ $TESTS_SEL == all ]]; then
 step ctest-all 240 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -j 4 \
   --output-junit "$OUT_DIR/ctest-all.xml"
 fi
-if [[ $TESTS_SEL != none ]]; then
+if [[ $TESTS_SEL == re:* ]]; then
+step ctest-selected 240 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -R "${TESTS_SEL#re:}" \
+  --output-junit "$OUT_DIR/ctest-selected.xml"
+elif [[ $TESTS_SEL != none ]]; then
 step ctest-gpu 150 ctest --test-dir "$BUILD" --output-on-failure --no-tests=error -j 4 -L '^gpu$' \
   --output-junit "$OUT_DIR/ctest-gpu.xml"
 # The gpu tests once more on a single GPU, as a one-GPU machine sees them.

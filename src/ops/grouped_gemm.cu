@@ -42,6 +42,7 @@
 #include <cstdio>
 #include <type_traits>
 
+#include "grouped_gemm_common.cuh"
 #include "ptx.cuh"
 #include "slime/core/error.hpp"
 
@@ -50,11 +51,15 @@ namespace slime::ops::cuda {
 // The cuBLAS backend (src/ops/grouped_gemm_cublas.cpp), after grouped_gemm's
 // checks, and the host offsets' check (throws slime::Error).
 void grouped_gemm_cublas(const GroupedGemmParams& p, StreamHandle stream);
+// The Hopper kernels (src/ops/grouped_gemm_sm90.cu).
+bool grouped_gemm_sm90_device();
+void grouped_gemm_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream);
 void check_grouped_gemm_host_offsets(const int32_t* o, int64_t experts, int64_t rows);
 
 namespace {
 
 using namespace ::slime::ops::detail::ptx;
+using namespace ::slime::ops::detail::grouped_gemm_device;
 using bf16 = __nv_bfloat16;
 
 using Pass = GroupedGemmPass;
@@ -115,76 +120,6 @@ using CfgM128N128K32 = TileConfig<128, 128, 32, 2, 2, 4, 2>;
 using CfgM128N256K64 = TileConfig<128, 256, 64, 2, 4, 3, 1>;
 using CfgM128N128K64 = TileConfig<128, 128, 64, 2, 2, 3, 2>;
 
-// ---- device checks of the offsets ------------------------------------------------
-
-__device__ __noinline__ void offsets_trap(const char* what, int e, int a, int b) {
-  printf("slime grouped_gemm: invalid offsets: %s (expert %d: %d, %d)\n", what, e, a, b);
-  __trap();
-}
-
-// ---- tile location ----------------------------------------------------------------
-
-struct TileCoord {
-  int group = -1, m_tile = 0, n_tile = 0, row0 = 0, rows = 0;
-};
-
-// forward / backward_input: the group, m-tile and n-tile of linear tile t,
-// from a block-wide prefix sum of ceil(n_e / kBM) * n_tiles over the groups
-// (chunks of kThreads groups). group = -1 when t is past the last tile.
-// Checks offsets[0] = 0, n_e >= 0 and offsets[E] = rows on the way.
-template <int kThreads, int kBM>
-__device__ TileCoord locate_tile(const int32_t* __restrict__ offsets, int experts, int rows, int n_tiles, int t,
-                                 int* s_scan /* kThreads / 32 + 4 ints */) {
-  constexpr int kWarps = kThreads / 32;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (tid == 0) {
-    s_scan[kWarps] = -1;
-    if (offsets[0] != 0) offsets_trap("offsets[0] is not 0", 0, offsets[0], 0);
-    if (offsets[experts] != rows) offsets_trap("offsets[E] is not the row count", experts, offsets[experts], rows);
-  }
-  int carry = 0;
-  for (int base = 0; base < experts; base += kThreads) {
-    const int e = base + tid;
-    int tiles = 0, r0 = 0, n = 0;
-    if (e < experts) {
-      r0 = offsets[e];
-      n = offsets[e + 1] - r0;
-      if (n < 0) offsets_trap("offsets decrease", e, r0, r0 + n);
-      tiles = (n + kBM - 1) / kBM * n_tiles;
-    }
-    const int incl = warp_inclusive_scan(tiles, lane);
-    if (lane == 31) s_scan[warp] = incl;
-    __syncthreads();
-    int before = carry, chunk = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const int s = s_scan[w];
-      before += w < warp ? s : 0;
-      chunk += s;
-    }
-    const int start = before + incl - tiles;
-    if (tiles > 0 && t >= start && t < start + tiles) {
-      s_scan[kWarps] = e;
-      s_scan[kWarps + 1] = t - start;
-      s_scan[kWarps + 2] = r0;
-      s_scan[kWarps + 3] = n;
-    }
-    carry += chunk;
-    __syncthreads();
-    if (s_scan[kWarps] >= 0) break;  // uniform: every thread reads it after the barrier
-  }
-  TileCoord c;
-  c.group = s_scan[kWarps];
-  if (c.group >= 0) {
-    const int local = s_scan[kWarps + 1];
-    c.m_tile = local / n_tiles;
-    c.n_tile = local % n_tiles;
-    c.row0 = s_scan[kWarps + 2];
-    c.rows = s_scan[kWarps + 3];
-  }
-  return c;
-}
-
 // ---- the tensor-core kernel -----------------------------------------------------
 
 struct KernelParams {
@@ -225,27 +160,6 @@ __device__ __forceinline__ void load_operand(bf16* s, const bf16* __restrict__ g
       }
       cp_async_16(s + r * Tile::kStride + col, ok ? src : g, ok);
     }
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void store_pair(T* p, float v0, float v1, bool accumulate) {
-  if constexpr (std::is_same_v<T, float>) {
-    float2* q = reinterpret_cast<float2*>(p);
-    if (accumulate) {
-      const float2 old = *q;
-      v0 += old.x;
-      v1 += old.y;
-    }
-    *q = make_float2(v0, v1);
-  } else {
-    __nv_bfloat162* q = reinterpret_cast<__nv_bfloat162*>(p);
-    if (accumulate) {
-      const float2 old = __bfloat1622float2(*q);
-      v0 += old.x;
-      v1 += old.y;
-    }
-    *q = __floats2bfloat162_rn(v0, v1);
   }
 }
 
@@ -550,6 +464,8 @@ GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p) {
   if (p.tile != GroupedGemmTile::automatic) return p.tile;
   if (!tensor_core_ok(p)) return GroupedGemmTile::simple;
   const int64_t n_extent = p.pass == Pass::forward ? p.out_features : p.in_features;
+  if (grouped_gemm_sm90_device())
+    return n_extent >= 256 && n_extent % 256 == 0 ? GroupedGemmTile::sm90_m128n256 : GroupedGemmTile::sm90_m128n128;
   if (n_extent >= 256 && n_extent % 256 == 0) return GroupedGemmTile::m128n256k64;
   return GroupedGemmTile::m128n128k32;
 }
@@ -566,9 +482,21 @@ const char* grouped_gemm_tile_name(GroupedGemmTile t) {
       return "m128n128k64";
     case GroupedGemmTile::simple:
       return "simple";
+    case GroupedGemmTile::sm90_m128n256:
+      return "sm90_m128n256";
+    case GroupedGemmTile::sm90_m128n128:
+      return "sm90_m128n128";
   }
   return "unknown";
 }
+
+namespace {
+bool is_sm90_tile(GroupedGemmTile t) {
+  return t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128;
+}
+}  // namespace
+
+bool grouped_gemm_tile_supported(GroupedGemmTile tile) { return !is_sm90_tile(tile) || grouped_gemm_sm90_device(); }
 
 void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream) {
   SLIME_CHECK(p.in_dtype == DType::bf16 || p.in_dtype == DType::f32, "grouped_gemm: inputs must be bf16 or f32, got ",
@@ -582,13 +510,17 @@ void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream) {
               ", in ", p.in_features, ")");
   if (p.host_offsets != nullptr) check_grouped_gemm_host_offsets(p.host_offsets, p.experts, p.rows);
   if (grouped_gemm_backend_for(p) == GroupedGemmBackend::cublas) return grouped_gemm_cublas(p, stream);
-  const GroupedGemmTile tile = grouped_gemm_tile_for(p);
+  GroupedGemmTile tile = grouped_gemm_tile_for(p);
   SLIME_CHECK(tile == GroupedGemmTile::simple || tensor_core_ok(p), "grouped_gemm: tile ", grouped_gemm_tile_name(tile),
               " needs bf16 inputs, in and out features multiples of 8 and 16-byte aligned pointers");
+  SLIME_CHECK(grouped_gemm_tile_supported(tile), "grouped_gemm: tile ", grouped_gemm_tile_name(tile),
+              " needs a GPU of compute capability 9.0 and slime built for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a)");
   if (p.rows == 0 || p.out_features == 0 || p.in_features == 0) {
     // Nothing to sum: y / dx are [rows, 0] or get zeros (in_features = 0).
     if (p.pass == Pass::backward_weight || p.rows == 0 || p.accumulate) return;
+    if (is_sm90_tile(tile)) tile = GroupedGemmTile::m128n128k32;  // zeros: nothing for TMA to load
   }
+  if (is_sm90_tile(tile)) return grouped_gemm_sm90(tile, p, stream);
   switch (p.pass) {
     case Pass::forward:
       return dispatch_pass<Pass::forward>(tile, p, stream);

@@ -172,7 +172,8 @@ void check_case(const Case& c, uint64_t seed) {
   probe.c = dy.data_ptr();
   const bool tensor_cores = ops::cuda::grouped_gemm_tile_for(probe) != GroupedGemmTile::simple;
   if (tensor_cores) {
-    for (GroupedGemmTile t : ops::cuda::kGroupedGemmTiles) tiles.push_back(t);
+    for (GroupedGemmTile t : ops::cuda::kGroupedGemmTiles)
+      if (ops::cuda::grouped_gemm_tile_supported(t)) tiles.push_back(t);
   } else {
     // A tensor-core tile cannot be forced on inputs that need the fallback.
     Tensor y = Tensor::empty({N, No}, DType::f32, d, s);

@@ -12,10 +12,12 @@
 //   backward_weight  a = dy [rows, out], b = x [rows, in],  c = dw [E, out, in]  dw_e += dy_gᵀ · x_g (f32)
 //
 // Kernels: bf16 inputs with in and out features multiples of 8 and 16-byte
-// aligned pointers take the tensor-core kernel (mma.sync m16n8k16, fp32
-// accumulators, cp.async multi-stage pipeline; one CTA per output tile, tiles
-// of all groups linearised and located from the device offsets, so the host
-// never reads them). Anything else (f32 inputs, odd feature counts, unaligned
+// aligned pointers take a tensor-core kernel: on Hopper (an sm_90a build on a
+// compute capability 9.0 device) wgmma fed by TMA with warp-specialised
+// warpgroups (grouped_gemm_sm90.cu), elsewhere mma.sync m16n8k16 with a
+// cp.async multi-stage pipeline (grouped_gemm.cu); both accumulate in fp32,
+// one CTA per output tile, tiles of all groups linearised and located from
+// the device offsets, so the host never reads them. Anything else (f32 inputs, odd feature counts, unaligned
 // views) takes a simple one-thread-per-output kernel with fp32 sums.
 // Numerics: products summed in fp32, rounded once into c (bf16 or f32).
 // Determinism: bitwise run to run (every output element is owned by one
@@ -71,9 +73,19 @@ enum class GroupedGemmTile : int {
   m128n256k64 = 1,  // 8 warps (2 x 4, warp tile 64 x 64), 3 stages, 1 CTA / SM
   m128n128k64 = 2,  // 4 warps (2 x 2, warp tile 64 x 64), 3 stages, 2 CTAs / SM
   simple = 3,       // fallback: one thread per output element, no tensor cores
+  // Hopper (sm_90a build, compute capability 9.0): wgmma + TMA, 1 producer and
+  // 2 consumer warpgroups, CTA tile 128 x N x 64 (src/ops/grouped_gemm_sm90.cu)
+  sm90_m128n256 = 4,  // 4 stages
+  sm90_m128n128 = 5,  // 6 stages
 };
 inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::m128n128k32, GroupedGemmTile::m128n256k64,
-                                                        GroupedGemmTile::m128n128k64};
+                                                        GroupedGemmTile::m128n128k64, GroupedGemmTile::sm90_m128n256,
+                                                        GroupedGemmTile::sm90_m128n128};
+
+// Whether `tile` can run on the current device: the sm90 tiles need this
+// library built for sm_90a and a device of compute capability 9.0; every
+// other tile runs anywhere.
+bool grouped_gemm_tile_supported(GroupedGemmTile tile);
 
 // Which implementation runs (see the top of this file). `automatic`: the
 // cuBLAS backend when host offsets are given, else the kernels.
