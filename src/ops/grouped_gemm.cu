@@ -53,6 +53,7 @@ namespace slime::ops::cuda {
 void grouped_gemm_cublas(const GroupedGemmParams& p, StreamHandle stream);
 // The Hopper kernels (src/ops/grouped_gemm_sm90.cu).
 bool grouped_gemm_sm90_device();
+bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts);
 void grouped_gemm_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream);
 void check_grouped_gemm_host_offsets(const int32_t* o, int64_t experts, int64_t rows);
 
@@ -464,8 +465,11 @@ GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p) {
   if (p.tile != GroupedGemmTile::automatic) return p.tile;
   if (!tensor_core_ok(p)) return GroupedGemmTile::simple;
   const int64_t n_extent = p.pass == Pass::forward ? p.out_features : p.in_features;
-  if (grouped_gemm_sm90_device())
-    return n_extent >= 256 && n_extent % 256 == 0 ? GroupedGemmTile::sm90_m128n256 : GroupedGemmTile::sm90_m128n128;
+  if (grouped_gemm_sm90_device()) {
+    const GroupedGemmTile t =
+        n_extent >= 256 && n_extent % 256 == 0 ? GroupedGemmTile::sm90_m128n256 : GroupedGemmTile::sm90_m128n128;
+    if (grouped_gemm_sm90_fits(t, p.experts)) return t;
+  }
   if (n_extent >= 256 && n_extent % 256 == 0) return GroupedGemmTile::m128n256k64;
   return GroupedGemmTile::m128n128k32;
 }
@@ -486,13 +490,16 @@ const char* grouped_gemm_tile_name(GroupedGemmTile t) {
       return "sm90_m128n256";
     case GroupedGemmTile::sm90_m128n128:
       return "sm90_m128n128";
+    case GroupedGemmTile::sm90_m128n128x2:
+      return "sm90_m128n128x2";
   }
   return "unknown";
 }
 
 namespace {
 bool is_sm90_tile(GroupedGemmTile t) {
-  return t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128;
+  return t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128 ||
+         t == GroupedGemmTile::sm90_m128n128x2;
 }
 }  // namespace
 
@@ -520,7 +527,11 @@ void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream) {
     if (p.pass == Pass::backward_weight || p.rows == 0 || p.accumulate) return;
     if (is_sm90_tile(tile)) tile = GroupedGemmTile::m128n128k32;  // zeros: nothing for TMA to load
   }
-  if (is_sm90_tile(tile)) return grouped_gemm_sm90(tile, p, stream);
+  if (is_sm90_tile(tile)) {
+    SLIME_CHECK(grouped_gemm_sm90_fits(tile, p.experts), "grouped_gemm: tile ", grouped_gemm_tile_name(tile),
+                " supports up to about 2000-4000 experts (its shared-memory tile table), got ", p.experts);
+    return grouped_gemm_sm90(tile, p, stream);
+  }
   switch (p.pass) {
     case Pass::forward:
       return dispatch_pass<Pass::forward>(tile, p, stream);

@@ -1,6 +1,6 @@
 // Hopper (sm_90a) grouped GEMM for slime/ops/cuda/grouped_gemm.hpp: wgmma fed
-// by TMA through an mbarrier pipeline, one producer warpgroup and two
-// consumer warpgroups per CTA (warp specialisation). The three passes and
+// by TMA through an mbarrier pipeline, two consumer warpgroups and one
+// producer warp per CTA (warp specialisation). The three passes and
 // their operand layouts are those of grouped_gemm.cu (the table at its top):
 //   pass             A (M x K)              B (N x K)               K summed
 //   forward          x_g       K-major      w_e [out, in] K-major    in
@@ -41,6 +41,7 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdint>
@@ -59,19 +60,32 @@ using namespace ::slime::ops::detail::grouped_gemm_device;
 using bf16 = __nv_bfloat16;
 using Pass = GroupedGemmPass;
 
-template <int BN>
+// CTA tile 128 x BN x 64 with Stages pipeline stages and CtasPerSm CTAs
+// resident per SM (2: one CTA's epilogue overlaps the other's main loop).
+// 288 threads: consumer warpgroups 0 and 1 (wgmma needs warpgroups aligned to
+// 4 warps), then one producer warp. No setmaxnreg: the register cap at entry
+// (65536 / (288 * CtasPerSm): 224 or 112) already fits the consumers' BN / 2
+// accumulators, and ptxas compiles the whole kernel to that cap.
+template <int BN, int Stages, int CtasPerSm>
 struct Sm90Tile {
   static constexpr int kBM = 128, kBN = BN, kBK = 64;
-  static constexpr int kThreads = 384;  // warpgroup 0: producer; 1, 2: consumers
+  static constexpr int kConsumers = 256, kThreads = kConsumers + 32;
+  static constexpr int kCtasPerSm = CtasPerSm;
   static constexpr int kBox = 64 * 64 * 2;                // one [64][64] bf16 box, 8 KB
   static constexpr int kABytes = kBM * kBK * 2;           // 16 KB
   static constexpr int kBBytes = kBN * kBK * 2;           // 32 or 16 KB
   static constexpr int kStageBytes = kABytes + kBBytes;   // multiple of 1024
-  static constexpr int kStages = BN == 256 ? 4 : 6;       // 192 KB either way
+  static constexpr int kStages = Stages;
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
   static constexpr int kAcc = BN / 2;                     // fp32 accumulators per consumer thread
-  static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB a Hopper CTA may use");
+  static_assert(BN == 128 || BN == 256, "wgmma m64n128 or m64n256 per consumer warpgroup");
+  static_assert(kSmemBytes * CtasPerSm <= 227 * 1024, "fits the 227 KB of shared memory of a Hopper SM");
 };
+// Resources (ptxas -v, CUDA 13.0, sm_90a): see the commit that set them; no
+// spills, no stack.
+using Sm90M128N256 = Sm90Tile<256, 4, 1>;    // 193 KB, 1 CTA / SM
+using Sm90M128N128 = Sm90Tile<128, 6, 1>;    // 193 KB, 1 CTA / SM
+using Sm90M128N128x2 = Sm90Tile<128, 3, 2>;  // 97 KB, 2 CTAs / SM
 
 template <Pass kPass>
 struct Sm90Layout {
@@ -87,6 +101,10 @@ struct Sm90Params {
   bool accumulate;
 };
 
+// Bytes of the per-CTA tile table (tile_start and row_start, E + 1 ints each)
+// that follows the pipeline stages in dynamic shared memory.
+inline int tile_table_bytes(int64_t experts) { return int(2 * (experts + 1) * sizeof(int)); }
+
 // c[BN / 2]: one m64nBNk16 step on the operand tiles at a / b.
 template <int BN, bool kAK, bool kBK>
 __device__ __forceinline__ void mma_step(float (&d)[BN / 2], const unsigned char* a, const unsigned char* b, int kk) {
@@ -100,163 +118,211 @@ __device__ __forceinline__ void mma_step(float (&d)[BN / 2], const unsigned char
   }
 }
 
-template <int BN, Pass kPass, class TOut>
-__global__ void __launch_bounds__(384, 1)
+// Where linear tile t lies: its group, the first row of A (wgrad: the first
+// k row), the m / n origin and the extents left past them.
+struct Sm90TileCoord {
+  int group, m0, n0, a_row, k_len, m_valid, n_valid;
+};
+
+// tile_start[e] = tiles of the groups before e (tile_start[E] = all);
+// row_start[e] = offsets[e]. The group of tile t is the last e with
+// tile_start[e] <= t (a group without tiles shares its start with the next).
+template <class T, Pass kPass>
+__device__ __forceinline__ Sm90TileCoord locate(const int* tile_start, const int* row_start, const Sm90Params& p,
+                                                int t) {
+  int lo = 0, hi = p.experts;  // tile_start[lo] <= t < tile_start[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (tile_start[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  Sm90TileCoord c;
+  c.group = lo;
+  const int local = t - tile_start[lo], r0 = row_start[lo], n_e = row_start[lo + 1] - r0;
+  c.m0 = (local / p.n_tiles) * T::kBM;
+  c.n0 = (local % p.n_tiles) * T::kBN;
+  if constexpr (kPass == Pass::backward_weight) {
+    c.a_row = r0;
+    c.k_len = n_e;
+    c.m_valid = p.out_f - c.m0;
+    c.n_valid = p.in_f - c.n0;
+  } else {
+    c.a_row = r0 + c.m0;
+    c.k_len = kPass == Pass::forward ? p.in_f : p.out_f;
+    c.m_valid = n_e - c.m0;
+    c.n_valid = (kPass == Pass::forward ? p.out_f : p.in_f) - c.n0;
+  }
+  return c;
+}
+
+// Persistent: CTA b runs tiles b, b + gridDim.x, ... of the linearised list
+// (group-major, then m-tile, then n-tile, so that neighbouring tiles share A
+// rows or weights in L2). The producer runs ahead into the next tile while
+// the consumers store the last one.
+template <class T, Pass kPass, class TOut>
+__global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                              const Sm90Params p) {
 #if SLIME_SM90A
-  using T = Sm90Tile<BN>;
+  constexpr int BN = T::kBN;
   constexpr int kBM = T::kBM, kBK = T::kBK, kStages = T::kStages;
   constexpr bool kAK = Sm90Layout<kPass>::kAKMajor, kBKm = Sm90Layout<kPass>::kBKMajor;
 
   extern __shared__ __align__(1024) unsigned char sm90_smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
-  __shared__ int s_scan[T::kThreads / 32 + 4];
+  __shared__ int s_scan[T::kThreads / 32];
   unsigned char* smem = sm90_smem_raw + ((1024 - (smem_u32(sm90_smem_raw) & 1023)) & 1023);
+  int* tile_start = reinterpret_cast<int*>(smem + kStages * T::kStageBytes);
+  int* row_start = tile_start + p.experts + 1;
 
-  const int tid = threadIdx.x;
-  // ---- the tile: A rows (or wgrad's k rows) start at a_row; C at gC
-  int group, m0, n0, a_row, k_len, m_valid, n_valid;
-  int64_t ldc;
-  TOut* gC;
-  bool accumulate;
-  if constexpr (kPass == Pass::backward_weight) {
-    const int per_expert = p.m_tiles * p.n_tiles;
-    group = int(blockIdx.x) / per_expert;
-    const int local = int(blockIdx.x) % per_expert;
-    m0 = (local / p.n_tiles) * kBM;
-    n0 = (local % p.n_tiles) * BN;
-    const int r0 = p.offsets[group], r1 = p.offsets[group + 1];
-    if (tid == 0 && (r0 < 0 || r1 < r0 || r1 > p.rows || (group == 0 && r0 != 0) ||
-                     (group == p.experts - 1 && r1 != p.rows)))
-      QuietTrap{}("offsets out of order or not ending at the row count", group, r0, r1);
-    if (r1 <= r0) return;  // no rows: dw_e stays as it is
-    a_row = r0;
-    k_len = r1 - r0;
-    m_valid = p.out_f - m0;
-    n_valid = p.in_f - n0;
-    ldc = p.in_f;
-    gC = static_cast<TOut*>(p.c) + (int64_t(group) * p.out_f + m0) * p.in_f + n0;
-    accumulate = true;
-  } else {
-    const TileCoord tc =
-        locate_tile<T::kThreads, kBM, QuietTrap>(p.offsets, p.experts, p.rows, p.n_tiles, int(blockIdx.x), s_scan);
-    if (tc.group < 0) return;
-    group = tc.group;
-    m0 = tc.m_tile * kBM;
-    n0 = tc.n_tile * BN;
-    a_row = tc.row0 + m0;
-    m_valid = tc.rows - m0;
-    if constexpr (kPass == Pass::forward) {
-      k_len = p.in_f;
-      n_valid = p.out_f - n0;
-      ldc = p.out_f;
-      accumulate = false;
-    } else {
-      k_len = p.out_f;
-      n_valid = p.in_f - n0;
-      ldc = p.in_f;
-      accumulate = p.accumulate;
-    }
-    gC = static_cast<TOut*>(p.c) + int64_t(a_row) * ldc + n0;
-  }
-  const int k_tiles = (k_len + kBK - 1) / kBK;
-
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full_bar[s], 1);
-      mbar_init(&empty_bar[s], 256);
+      mbar_init(&empty_bar[s], T::kConsumers);
     }
     mbar_init_fence();
+    if (p.offsets[0] != 0 || p.offsets[p.experts] != p.rows) QuietTrap{}("offsets[0] or offsets[E]", 0, 0, 0);
+  }
+  // ---- the tile table: a block-wide scan of the tiles per group
+  int carry = 0;
+  for (int base = 0; base < p.experts; base += T::kThreads) {
+    const int e = base + tid;
+    int tiles = 0;
+    if (e < p.experts) {
+      const int r0 = p.offsets[e], n = p.offsets[e + 1] - r0;
+      if (n < 0) QuietTrap{}("offsets decrease", e, r0, r0 + n);
+      row_start[e] = r0;
+      tiles = kPass == Pass::backward_weight ? (n > 0 ? p.m_tiles * p.n_tiles : 0) : (n + kBM - 1) / kBM * p.n_tiles;
+    }
+    const int incl = warp_inclusive_scan(tiles, lane);
+    if (lane == 31) s_scan[warp] = incl;
+    __syncthreads();
+    int before = carry, chunk = 0;
+#pragma unroll
+    for (int w = 0; w < T::kThreads / 32; ++w) {
+      const int v = s_scan[w];
+      before += w < warp ? v : 0;
+      chunk += v;
+    }
+    if (e < p.experts) tile_start[e] = before + incl - tiles;
+    carry += chunk;
+    __syncthreads();
+  }
+  if (tid == 0) {
+    tile_start[p.experts] = carry;
+    row_start[p.experts] = p.rows;
   }
   __syncthreads();
+  const int total_tiles = carry;
 
-  const int wg = tid / 128;
-  if (wg == 0) {
+  if (tid >= T::kConsumers) {
     // ---- producer: one thread issues every copy
-    setmaxnreg_dec<40>();
-    if (tid == 0) {
+    if (tid == T::kConsumers) {
       tma_prefetch_descriptor(&map_a);
       tma_prefetch_descriptor(&map_b);
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % kStages;
-        mbar_wait(&empty_bar[s], ((kt / kStages) & 1) ^ 1);
-        unsigned char* sa = smem + s * T::kStageBytes;
-        unsigned char* sb = sa + T::kABytes;
-        uint64_t* bar = &full_bar[s];
-        mbar_arrive_expect_tx(bar, T::kStageBytes);
-        const int k0 = kt * kBK;
-        if constexpr (kPass == Pass::forward) {
-          tma_load_2d(sa, &map_a, bar, k0, a_row);          // x [rows, in]: box {64 k, 128 rows}
-          tma_load_3d(sb, &map_b, bar, k0, n0, group);      // w [E, out, in]: box {64 k, BN n, 1}
-        } else if constexpr (kPass == Pass::backward_input) {
-          tma_load_2d(sa, &map_a, bar, k0, a_row);          // dy [rows, out]: box {64 k, 128 rows}
+      int it = 0;  // k-steps this CTA has issued: the position in the stage ring
+      for (int t = int(blockIdx.x); t < total_tiles; t += int(gridDim.x)) {
+        const Sm90TileCoord tc = locate<T, kPass>(tile_start, row_start, p, t);
+        const int k_tiles = (tc.k_len + kBK - 1) / kBK;
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int s = it % kStages;
+          mbar_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
+          unsigned char* sa = smem + s * T::kStageBytes;
+          unsigned char* sb = sa + T::kABytes;
+          uint64_t* bar = &full_bar[s];
+          mbar_arrive_expect_tx(bar, T::kStageBytes);
+          const int k0 = kt * kBK;
+          if constexpr (kPass == Pass::forward) {
+            tma_load_2d(sa, &map_a, bar, k0, tc.a_row);          // x [rows, in]: box {64 k, 128 rows}
+            tma_load_3d(sb, &map_b, bar, k0, tc.n0, tc.group);   // w [E, out, in]: box {64 k, BN n, 1}
+          } else if constexpr (kPass == Pass::backward_input) {
+            tma_load_2d(sa, &map_a, bar, k0, tc.a_row);          // dy [rows, out]: box {64 k, 128 rows}
 #pragma unroll
-          for (int j = 0; j < BN / 64; ++j)                  // w [E, out, in]: boxes {64 n, 64 k, 1}
-            tma_load_3d(sb + j * T::kBox, &map_b, bar, n0 + 64 * j, k0, group);
-        } else {
+            for (int j = 0; j < BN / 64; ++j)                     // w [E, out, in]: boxes {64 n, 64 k, 1}
+              tma_load_3d(sb + j * T::kBox, &map_b, bar, tc.n0 + 64 * j, k0, tc.group);
+          } else {
 #pragma unroll
-          for (int j = 0; j < 2; ++j)                        // dy [rows, out]: boxes {64 m, 64 k}
-            tma_load_2d(sa + j * T::kBox, &map_a, bar, m0 + 64 * j, a_row + k0);
+            for (int j = 0; j < 2; ++j)                           // dy [rows, out]: boxes {64 m, 64 k}
+              tma_load_2d(sa + j * T::kBox, &map_a, bar, tc.m0 + 64 * j, tc.a_row + k0);
 #pragma unroll
-          for (int j = 0; j < BN / 64; ++j)                  // x [rows, in]: boxes {64 n, 64 k}
-            tma_load_2d(sb + j * T::kBox, &map_b, bar, n0 + 64 * j, a_row + k0);
+            for (int j = 0; j < BN / 64; ++j)                     // x [rows, in]: boxes {64 n, 64 k}
+              tma_load_2d(sb + j * T::kBox, &map_b, bar, tc.n0 + 64 * j, tc.a_row + k0);
+          }
         }
       }
     }
   } else {
-    // ---- consumers: warpgroup c owns rows 64 c .. 64 c + 63 of the tile
-    setmaxnreg_inc<232>();
-    const int c = wg - 1, ctid = tid - 128;
-    float acc[T::kAcc];
+    // ---- consumers: warpgroup c owns rows 64 c .. 64 c + 63 of each tile
+    const int c = tid / 128, wq = warp & 3;
+    int it = 0;
+    for (int t = int(blockIdx.x); t < total_tiles; t += int(gridDim.x)) {
+      const Sm90TileCoord tc = locate<T, kPass>(tile_start, row_start, p, t);
+      const int k_tiles = (tc.k_len + kBK - 1) / kBK;
+      float acc[T::kAcc];
 #pragma unroll
-    for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.f;
-
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const int s = kt % kStages;
-      mbar_wait(&full_bar[s], (kt / kStages) & 1);
-      unsigned char* sa = smem + s * T::kStageBytes;
-      const unsigned char* sb = sa + T::kABytes;
-      if constexpr (kPass == Pass::backward_weight) {
-        const int valid = k_len - kt * kBK;
-        if (valid < kBK) {
-          // Zero the k rows past the group in every box of the stage (A's 2
-          // and B's BN / 64, contiguous): whole 128-byte rows.
-          constexpr int kBoxes = 2 + BN / 64;
-          const int chunks_per_box = (kBK - valid) * 8;  // 16-byte chunks
-          for (int i = ctid; i < kBoxes * chunks_per_box; i += 256) {
-            const int box = i / chunks_per_box, rem = i % chunks_per_box;
-            *reinterpret_cast<uint4*>(sa + box * T::kBox + valid * 128 + rem * 16) = make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.f;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&full_bar[s], (it / kStages) & 1);
+        unsigned char* sa = smem + s * T::kStageBytes;
+        const unsigned char* sb = sa + T::kABytes;
+        if constexpr (kPass == Pass::backward_weight) {
+          const int valid = tc.k_len - kt * kBK;
+          if (valid < kBK) {
+            // Zero the k rows past the group in every box of the stage (A's 2
+            // and B's BN / 64, contiguous): whole 128-byte rows.
+            constexpr int kBoxes = 2 + BN / 64;
+            const int chunks_per_box = (kBK - valid) * 8;  // 16-byte chunks
+            for (int i = tid; i < kBoxes * chunks_per_box; i += T::kConsumers) {
+              const int box = i / chunks_per_box, rem = i % chunks_per_box;
+              *reinterpret_cast<uint4*>(sa + box * T::kBox + valid * 128 + rem * 16) = make_uint4(0, 0, 0, 0);
+            }
+            fence_proxy_async();
+            named_barrier_sync(1, T::kConsumers);
           }
-          fence_proxy_async();
-          named_barrier_sync(1, 256);
         }
+        const unsigned char* a = sa + c * T::kBox;  // rows 64 c..: 64 K-major rows or the c-th MN-major box
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) mma_step<BN, kAK, kBKm>(acc, a, sb, kk);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_registers(acc);
+        if (kt > 0) mbar_arrive(&empty_bar[(it - 1) % kStages]);
       }
-      const unsigned char* a = sa + c * T::kBox;  // rows 64 c..: 64 K-major rows or the c-th MN-major box
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) mma_step<BN, kAK, kBKm>(acc, a, sb, kk);
-      wgmma_commit();
-      wgmma_wait<1>();
+      wgmma_wait<0>();
       fence_registers(acc);
-      if (kt > 0) mbar_arrive(&empty_bar[(kt - 1) % kStages]);
-    }
-    wgmma_wait<0>();
-    fence_registers(acc);
+      if (k_tiles > 0) mbar_arrive(&empty_bar[(it - 1) % kStages]);
 
-    // ---- epilogue: registers to global, 2 columns per store
-    const int warp = (ctid >> 5) & 3, lane = ctid & 31;
+      // ---- epilogue: registers to global, 2 columns per store
+      int64_t ldc;
+      TOut* gC;
+      bool accumulate;
+      if constexpr (kPass == Pass::backward_weight) {
+        ldc = p.in_f;
+        gC = static_cast<TOut*>(p.c) + (int64_t(tc.group) * p.out_f + tc.m0) * p.in_f + tc.n0;
+        accumulate = true;
+      } else {
+        ldc = kPass == Pass::forward ? p.out_f : p.in_f;
+        gC = static_cast<TOut*>(p.c) + int64_t(tc.a_row) * ldc + tc.n0;
+        accumulate = kPass == Pass::backward_input && p.accumulate;
+      }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 64 * c + 16 * warp + (lane >> 2) + 8 * h;
-      if (row >= m_valid) continue;
-      TOut* crow = gC + int64_t(row) * ldc;
+      for (int h = 0; h < 2; ++h) {
+        const int row = 64 * c + 16 * wq + (lane >> 2) + 8 * h;
+        if (row >= tc.m_valid) continue;
+        TOut* crow = gC + int64_t(row) * ldc;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = 8 * j + 2 * (lane & 3);
-        if (col < n_valid) store_pair(crow + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], accumulate);
+        for (int j = 0; j < BN / 8; ++j) {
+          const int col = 8 * j + 2 * (lane & 3);
+          if (col < tc.n_valid) store_pair(crow + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], accumulate);
+        }
       }
     }
   }
@@ -310,9 +376,23 @@ CUtensorMap map_weights(const void* base, uint64_t in_f, uint64_t out_f, uint64_
 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
-template <int BN, Pass kPass, class TOut>
+// Multiprocessors of the current device (cached per device).
+int sm_count() {
+  static std::atomic<int> cached[64] = {};
+  int dev = 0;
+  SLIME_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return 132;
+  int v = cached[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    SLIME_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    cached[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+template <class T, Pass kPass, class TOut>
 void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
-  using T = Sm90Tile<BN>;
+  constexpr int BN = T::kBN;
   const uint64_t rows = uint64_t(p.rows), in_f = uint64_t(p.in_features), out_f = uint64_t(p.out_features),
                  experts = uint64_t(p.experts);
   CUtensorMap ma, mb;
@@ -324,7 +404,7 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   kp.out_f = int(p.out_features);
   kp.in_f = int(p.in_features);
   kp.accumulate = p.accumulate;
-  int64_t ctas;
+  int64_t ctas;  // an upper bound of the tiles
   if constexpr (kPass == Pass::forward) {
     ma = map_2d(p.a, in_f, rows, 64, 128);
     mb = map_weights(p.b, in_f, out_f, experts, 64, BN);
@@ -345,16 +425,26 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   }
   SLIME_CHECK(ctas < INT_MAX, "grouped_gemm: ", ctas, " tiles do not fit in int32");
   if (ctas == 0) return;
-  auto kernel = grouped_gemm_sm90_kernel<BN, kPass, TOut>;
-  SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
-  kernel<<<unsigned(ctas), T::kThreads, T::kSmemBytes, stream>>>(ma, mb, kp);
+  const int grid = int(std::min<int64_t>(ctas, int64_t(sm_count()) * T::kCtasPerSm));
+  const int smem = T::kSmemBytes + tile_table_bytes(p.experts);
+  auto kernel = grouped_gemm_sm90_kernel<T, kPass, TOut>;
+  SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<unsigned(grid), T::kThreads, smem, stream>>>(ma, mb, kp);
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
 template <Pass kPass, class TOut>
 void dispatch_sm90_tile(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream) {
-  if (tile == GroupedGemmTile::sm90_m128n256) return launch_sm90<256, kPass, TOut>(p, stream);
-  return launch_sm90<128, kPass, TOut>(p, stream);
+  switch (tile) {
+    case GroupedGemmTile::sm90_m128n256:
+      return launch_sm90<Sm90M128N256, kPass, TOut>(p, stream);
+    case GroupedGemmTile::sm90_m128n128:
+      return launch_sm90<Sm90M128N128, kPass, TOut>(p, stream);
+    case GroupedGemmTile::sm90_m128n128x2:
+      return launch_sm90<Sm90M128N128x2, kPass, TOut>(p, stream);
+    default:
+      SLIME_FAIL("grouped_gemm: ", grouped_gemm_tile_name(tile), " is not a Hopper tile");
+  }
 }
 
 }  // namespace
@@ -382,6 +472,23 @@ bool grouped_gemm_sm90_device() {
     cached[dev].store(v, std::memory_order_relaxed);
   }
   return v == 1;
+}
+
+// Whether the persistent kernel's shared memory (stages + tile table of
+// E + 1 entries) fits beside its CTAs per SM (E up to about 4000 for the 1-CTA
+// tiles, 2000 for sm90_m128n128x2).
+bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts) {
+  auto fits = [&](int smem, int ctas) { return experts < (1 << 20) && (smem + tile_table_bytes(experts)) * ctas <= 227 * 1024; };
+  switch (tile) {
+    case GroupedGemmTile::sm90_m128n256:
+      return fits(Sm90M128N256::kSmemBytes, Sm90M128N256::kCtasPerSm);
+    case GroupedGemmTile::sm90_m128n128:
+      return fits(Sm90M128N128::kSmemBytes, Sm90M128N128::kCtasPerSm);
+    case GroupedGemmTile::sm90_m128n128x2:
+      return fits(Sm90M128N128x2::kSmemBytes, Sm90M128N128x2::kCtasPerSm);
+    default:
+      return false;
+  }
 }
 
 // Called by grouped_gemm (grouped_gemm.cu) after its checks, for a sm90 tile,
