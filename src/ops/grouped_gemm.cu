@@ -53,7 +53,8 @@ namespace slime::ops::cuda {
 void grouped_gemm_cublas(const GroupedGemmParams& p, StreamHandle stream);
 // The Hopper kernels (src/ops/grouped_gemm_sm90.cu).
 bool grouped_gemm_sm90_device();
-bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts);
+bool grouped_gemm_sm90_auto();
+bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts, DType out_dtype);
 void grouped_gemm_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream);
 void check_grouped_gemm_host_offsets(const int32_t* o, int64_t experts, int64_t rows);
 
@@ -465,10 +466,10 @@ GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p) {
   if (p.tile != GroupedGemmTile::automatic) return p.tile;
   if (!tensor_core_ok(p)) return GroupedGemmTile::simple;
   const int64_t n_extent = p.pass == Pass::forward ? p.out_features : p.in_features;
-  if (grouped_gemm_sm90_device()) {
+  if (grouped_gemm_sm90_auto()) {
     const GroupedGemmTile t =
         n_extent >= 256 && n_extent % 256 == 0 ? GroupedGemmTile::sm90_m128n256 : GroupedGemmTile::sm90_m128n128;
-    if (grouped_gemm_sm90_fits(t, p.experts)) return t;
+    if (grouped_gemm_sm90_fits(t, p.experts, p.out_dtype)) return t;
   }
   if (n_extent >= 256 && n_extent % 256 == 0) return GroupedGemmTile::m128n256k64;
   return GroupedGemmTile::m128n128k32;
@@ -490,16 +491,13 @@ const char* grouped_gemm_tile_name(GroupedGemmTile t) {
       return "sm90_m128n256";
     case GroupedGemmTile::sm90_m128n128:
       return "sm90_m128n128";
-    case GroupedGemmTile::sm90_m128n128x2:
-      return "sm90_m128n128x2";
   }
   return "unknown";
 }
 
 namespace {
 bool is_sm90_tile(GroupedGemmTile t) {
-  return t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128 ||
-         t == GroupedGemmTile::sm90_m128n128x2;
+  return t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128;
 }
 }  // namespace
 
@@ -528,8 +526,8 @@ void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream) {
     if (is_sm90_tile(tile)) tile = GroupedGemmTile::m128n128k32;  // zeros: nothing for TMA to load
   }
   if (is_sm90_tile(tile)) {
-    SLIME_CHECK(grouped_gemm_sm90_fits(tile, p.experts), "grouped_gemm: tile ", grouped_gemm_tile_name(tile),
-                " supports up to about 2000-4000 experts (its shared-memory tile table), got ", p.experts);
+    SLIME_CHECK(grouped_gemm_sm90_fits(tile, p.experts, p.out_dtype), "grouped_gemm: tile ", grouped_gemm_tile_name(tile),
+                " supports up to about 1000-8000 experts (its shared-memory tile table), got ", p.experts);
     return grouped_gemm_sm90(tile, p, stream);
   }
   switch (p.pass) {

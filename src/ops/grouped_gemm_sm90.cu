@@ -45,6 +45,9 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
+#include <type_traits>
 
 #include "grouped_gemm_common.cuh"
 #include "slime/core/error.hpp"
@@ -64,9 +67,12 @@ using Pass = GroupedGemmPass;
 // resident per SM (2: one CTA's epilogue overlaps the other's main loop).
 // 288 threads: consumer warpgroups 0 and 1 (wgmma needs warpgroups aligned to
 // 4 warps), then one producer warp. No setmaxnreg: the register cap at entry
-// (65536 / (288 * CtasPerSm): 224 or 112) already fits the consumers' BN / 2
+// (65536 / (288 * CtasPerSm)) already fits the consumers' BN / 2
 // accumulators, and ptxas compiles the whole kernel to that cap.
-template <int BN, int Stages, int CtasPerSm>
+// StagedStore: the epilogue writes full tiles through a shared-memory buffer
+// and TMA stores (coalesced, asynchronous: the consumers go on with the next
+// tile while the copy engine drains it), where the buffer fits in 64 KB.
+template <int BN, int Stages, int CtasPerSm, bool StagedStore>
 struct Sm90Tile {
   static constexpr int kBM = 128, kBN = BN, kBK = 64;
   static constexpr int kConsumers = 256, kThreads = kConsumers + 32;
@@ -76,16 +82,31 @@ struct Sm90Tile {
   static constexpr int kBBytes = kBN * kBK * 2;           // 32 or 16 KB
   static constexpr int kStageBytes = kABytes + kBBytes;   // multiple of 1024
   static constexpr int kStages = Stages;
-  static constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + alignment slack
   static constexpr int kAcc = BN / 2;                     // fp32 accumulators per consumer thread
+  // The staging buffer: for each consumer warpgroup, 64 rows x up to 32 KB
+  // of its tile's columns as boxes of [64 rows][128 bytes], 128-byte
+  // swizzled; a wider tile (BN = 256 of f32) is stored in c_passes passes
+  // over column blocks (0: no staging, direct stores).
+  template <class TOut>
+  static constexpr int c_bytes() {
+    constexpr int bytes = kBM * BN * int(sizeof(TOut));
+    return StagedStore ? (bytes < 65536 ? bytes : 65536) : 0;
+  }
+  template <class TOut>
+  static constexpr int c_passes() {
+    return c_bytes<TOut>() == 0 ? 1 : kBM * BN * int(sizeof(TOut)) / c_bytes<TOut>();
+  }
+  template <class TOut>
+  static constexpr int smem_bytes() {
+    return kStages * kStageBytes + c_bytes<TOut>() + 1024;  // + alignment slack
+  }
   static_assert(BN == 128 || BN == 256, "wgmma m64n128 or m64n256 per consumer warpgroup");
-  static_assert(kSmemBytes * CtasPerSm <= 227 * 1024, "fits the 227 KB of shared memory of a Hopper SM");
+  static_assert(smem_bytes<__nv_bfloat16>() * CtasPerSm <= 227 * 1024 && smem_bytes<float>() * CtasPerSm <= 227 * 1024,
+                "fits the 227 KB of shared memory of a Hopper SM");
 };
-// Resources (ptxas -v, CUDA 13.0, sm_90a): see the commit that set them; no
-// spills, no stack.
-using Sm90M128N256 = Sm90Tile<256, 4, 1>;    // 193 KB, 1 CTA / SM
-using Sm90M128N128 = Sm90Tile<128, 6, 1>;    // 193 KB, 1 CTA / SM
-using Sm90M128N128x2 = Sm90Tile<128, 3, 2>;  // 97 KB, 2 CTAs / SM
+// Resources (ptxas -v, CUDA 13.0, sm_90a): 90-167 registers, no spills.
+using Sm90M128N256 = Sm90Tile<256, 3, 1, true>;     // 144 KB of stages + 64 KB of staging (f32: 2 passes)
+using Sm90M128N128 = Sm90Tile<128, 4, 1, true>;     // 128 KB + 32 (bf16) or 64 (f32) KB of staging
 
 template <Pass kPass>
 struct Sm90Layout {
@@ -165,7 +186,7 @@ __device__ __forceinline__ Sm90TileCoord locate(const int* tile_start, const int
 template <class T, Pass kPass, class TOut>
 __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                             const Sm90Params p) {
+                             const __grid_constant__ CUtensorMap map_c, const Sm90Params p) {
 #if SLIME_SM90A
   constexpr int BN = T::kBN;
   constexpr int kBM = T::kBM, kBK = T::kBK, kStages = T::kStages;
@@ -176,7 +197,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   __shared__ int s_scan[T::kThreads / 32];
   unsigned char* smem = sm90_smem_raw + ((1024 - (smem_u32(sm90_smem_raw) & 1023)) & 1023);
-  int* tile_start = reinterpret_cast<int*>(smem + kStages * T::kStageBytes);
+  constexpr int kCBytes = T::template c_bytes<TOut>();
+  unsigned char* smem_c = smem + kStages * T::kStageBytes;  // [2 warpgroups][boxes][64][128 bytes]
+  int* tile_start = reinterpret_cast<int*>(smem_c + kCBytes);
   int* row_start = tile_start + p.experts + 1;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -300,18 +323,73 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
       fence_registers(acc);
       if (k_tiles > 0) mbar_arrive(&empty_bar[(it - 1) % kStages]);
 
-      // ---- epilogue: registers to global, 2 columns per store
+      // ---- epilogue
+      // Staged (full tiles; wgrad's 3-D dw map clips rows and columns past
+      // the expert): registers -> the warpgroup's swizzled boxes -> one TMA
+      // store (add for f32 accumulation). A partial m-tile of forward / dgrad
+      // would overwrite the next group's rows, and bf16 accumulation must
+      // round once: those store from registers.
+      constexpr bool kAddF32 = std::is_same_v<TOut, float>;
+      const bool accumulate = kPass == Pass::backward_weight || (kPass == Pass::backward_input && p.accumulate);
+      const bool staged = kCBytes > 0 && (kPass == Pass::backward_weight || tc.m_valid >= kBM) &&
+                          (!accumulate || kAddF32);
+      if (staged) {
+        constexpr int kBoxCols = 128 / int(sizeof(TOut));              // columns per box
+        constexpr int kPasses = T::template c_passes<TOut>();
+        constexpr int kPassCols = BN / kPasses;                         // columns per pass
+        constexpr int kBoxes = kPassCols / kBoxCols;
+        unsigned char* cbuf = smem_c + c * (kCBytes / 2);
+        const bool leader = (tid & 127) == 0;
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+          if (leader) bulk_wait_read<0>();  // the last store has read the buffer
+          named_barrier_sync(2 + c, 128);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = 16 * wq + (lane >> 2) + 8 * h;  // row within the warpgroup's 64
+#pragma unroll
+            for (int jj = 0; jj < kPassCols / 8; ++jj) {
+              const int j = pass * (kPassCols / 8) + jj;
+              const int col = 8 * jj + 2 * (lane & 3);  // column within the pass
+              const int box = col / kBoxCols, byte = (col % kBoxCols) * int(sizeof(TOut));
+              unsigned char* dst = cbuf + box * 8192 + r * 128 + (((byte >> 4) ^ (r & 7)) << 4) + (byte & 15);
+              if constexpr (kAddF32) {
+                *reinterpret_cast<float2*>(dst) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+              } else {
+                *reinterpret_cast<__nv_bfloat162*>(dst) =
+                    __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+              }
+            }
+          }
+          fence_proxy_async();
+          named_barrier_sync(2 + c, 128);
+          if (leader) {
+#pragma unroll
+            for (int b = 0; b < kBoxes; ++b) {
+              const unsigned char* src = cbuf + b * 8192;
+              const int col0 = tc.n0 + pass * kPassCols + b * kBoxCols;
+              if constexpr (kPass == Pass::backward_weight) {
+                tma_store_add_3d(&map_c, src, col0, tc.m0 + 64 * c, tc.group);  // dw [E, out, in]
+              } else if (accumulate) {
+                tma_store_add_2d(&map_c, src, col0, tc.a_row + 64 * c);
+              } else {
+                tma_store_2d(&map_c, src, col0, tc.a_row + 64 * c);
+              }
+            }
+            bulk_commit();
+          }
+        }
+        continue;
+      }
+      // Direct: registers to global, 2 columns per store.
       int64_t ldc;
       TOut* gC;
-      bool accumulate;
       if constexpr (kPass == Pass::backward_weight) {
         ldc = p.in_f;
         gC = static_cast<TOut*>(p.c) + (int64_t(tc.group) * p.out_f + tc.m0) * p.in_f + tc.n0;
-        accumulate = true;
       } else {
         ldc = kPass == Pass::forward ? p.out_f : p.in_f;
         gC = static_cast<TOut*>(p.c) + int64_t(tc.a_row) * ldc + tc.n0;
-        accumulate = kPass == Pass::backward_input && p.accumulate;
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -325,6 +403,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
         }
       }
     }
+    if (kCBytes > 0 && (tid & 127) == 0) bulk_wait<0>();  // the stores are done before the CTA exits
   }
 #else
   __trap();  // built without sm_90a; the dispatcher never launches this
@@ -348,11 +427,11 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // A bf16 tensor map, 128-byte swizzle, over `rank` dims (innermost first,
 // element counts) with byte strides of dims 1.. and a box of `box` elements.
 CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides,
-                            const uint32_t* box) {
+                            const uint32_t* box, CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
   CUtensorMap m;
   const uint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = tensor_map_encoder()(
-      &m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
+      &m, dtype, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   SLIME_CHECK(r == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (error ", int(r), ", rank ", rank,
@@ -360,10 +439,12 @@ CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* dims, co
   return m;
 }
 
-CUtensorMap map_2d(const void* base, uint64_t inner, uint64_t outer, uint32_t box_inner, uint32_t box_outer) {
-  const uint64_t dims[2] = {inner, outer}, strides[1] = {inner * 2};
+CUtensorMap map_2d(const void* base, uint64_t inner, uint64_t outer, uint32_t box_inner, uint32_t box_outer,
+                   bool f32 = false) {
+  const uint64_t dims[2] = {inner, outer}, strides[1] = {inner * (f32 ? 4 : 2)};
   const uint32_t box[2] = {box_inner, box_outer};
-  return make_tensor_map(base, 2, dims, strides, box);
+  return make_tensor_map(base, 2, dims, strides, box,
+                         f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16);
 }
 
 // w [E, out, in] as 3-D (in, out, E).
@@ -372,6 +453,13 @@ CUtensorMap map_weights(const void* base, uint64_t in_f, uint64_t out_f, uint64_
   const uint64_t dims[3] = {in_f, out_f, experts}, strides[2] = {in_f * 2, in_f * out_f * 2};
   const uint32_t box[3] = {box_in, box_out, 1};
   return make_tensor_map(base, 3, dims, strides, box);
+}
+
+// dw [E, out, in] f32 as 3-D, boxes {32 in, 64 out, 1} (the staged epilogue's).
+CUtensorMap map_dw(void* base, uint64_t in_f, uint64_t out_f, uint64_t experts) {
+  const uint64_t dims[3] = {in_f, out_f, experts}, strides[2] = {in_f * 4, in_f * out_f * 4};
+  const uint32_t box[3] = {32, 64, 1};
+  return make_tensor_map(base, 3, dims, strides, box, CU_TENSOR_MAP_DATA_TYPE_FLOAT32);
 }
 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
@@ -395,7 +483,14 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   constexpr int BN = T::kBN;
   const uint64_t rows = uint64_t(p.rows), in_f = uint64_t(p.in_features), out_f = uint64_t(p.out_features),
                  experts = uint64_t(p.experts);
-  CUtensorMap ma, mb;
+  CUtensorMap ma, mb, mc{};
+  constexpr bool kF32 = std::is_same_v<TOut, float>;
+  if constexpr (T::template c_bytes<TOut>() > 0) {  // the staged epilogue's map of c: boxes of [64 rows][128 bytes]
+    if constexpr (kPass == Pass::backward_weight)
+      mc = map_dw(p.c, in_f, out_f, experts);
+    else
+      mc = map_2d(p.c, kPass == Pass::forward ? out_f : in_f, rows, kF32 ? 32 : 64, 64, kF32);
+  }
   Sm90Params kp{};
   kp.offsets = p.offsets;
   kp.c = p.c;
@@ -426,10 +521,10 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   SLIME_CHECK(ctas < INT_MAX, "grouped_gemm: ", ctas, " tiles do not fit in int32");
   if (ctas == 0) return;
   const int grid = int(std::min<int64_t>(ctas, int64_t(sm_count()) * T::kCtasPerSm));
-  const int smem = T::kSmemBytes + tile_table_bytes(p.experts);
+  const int smem = T::template smem_bytes<TOut>() + tile_table_bytes(p.experts);
   auto kernel = grouped_gemm_sm90_kernel<T, kPass, TOut>;
   SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<unsigned(grid), T::kThreads, smem, stream>>>(ma, mb, kp);
+  kernel<<<unsigned(grid), T::kThreads, smem, stream>>>(ma, mb, mc, kp);
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
@@ -440,8 +535,6 @@ void dispatch_sm90_tile(GroupedGemmTile tile, const GroupedGemmParams& p, cudaSt
       return launch_sm90<Sm90M128N256, kPass, TOut>(p, stream);
     case GroupedGemmTile::sm90_m128n128:
       return launch_sm90<Sm90M128N128, kPass, TOut>(p, stream);
-    case GroupedGemmTile::sm90_m128n128x2:
-      return launch_sm90<Sm90M128N128x2, kPass, TOut>(p, stream);
     default:
       SLIME_FAIL("grouped_gemm: ", grouped_gemm_tile_name(tile), " is not a Hopper tile");
   }
@@ -474,18 +567,31 @@ bool grouped_gemm_sm90_device() {
   return v == 1;
 }
 
-// Whether the persistent kernel's shared memory (stages + tile table of
-// E + 1 entries) fits beside its CTAs per SM (E up to about 4000 for the 1-CTA
-// tiles, 2000 for sm90_m128n128x2).
-bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts) {
-  auto fits = [&](int smem, int ctas) { return experts < (1 << 20) && (smem + tile_table_bytes(experts)) * ctas <= 227 * 1024; };
+// SLIME_GROUPED_GEMM_SM90=0 keeps the automatic choice on the mma.sync
+// kernels (the before/after benchmarks); forced sm90 tiles still run.
+bool grouped_gemm_sm90_auto() {
+  static const bool on = [] {
+    const char* v = std::getenv("SLIME_GROUPED_GEMM_SM90");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return on && grouped_gemm_sm90_device();
+}
+
+// Whether the persistent kernel's shared memory (stages, staging buffer and a
+// tile table of 2 (E + 1) ints) fits beside its CTAs per SM: E up to about
+// 1000 (sm90_m128n256 with bf16 out) to 8000.
+bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts, DType out_dtype) {
+  const bool f32 = out_dtype == DType::f32;
+  auto fits = [&](auto tile_type) {
+    using T = decltype(tile_type);
+    const int smem = f32 ? T::template smem_bytes<float>() : T::template smem_bytes<bf16>();
+    return experts < (1 << 20) && (smem + tile_table_bytes(experts)) * T::kCtasPerSm <= 227 * 1024;
+  };
   switch (tile) {
     case GroupedGemmTile::sm90_m128n256:
-      return fits(Sm90M128N256::kSmemBytes, Sm90M128N256::kCtasPerSm);
+      return fits(Sm90M128N256{});
     case GroupedGemmTile::sm90_m128n128:
-      return fits(Sm90M128N128::kSmemBytes, Sm90M128N128::kCtasPerSm);
-    case GroupedGemmTile::sm90_m128n128x2:
-      return fits(Sm90M128N128x2::kSmemBytes, Sm90M128N128x2::kCtasPerSm);
+      return fits(Sm90M128N128{});
     default:
       return false;
   }

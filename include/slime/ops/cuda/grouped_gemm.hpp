@@ -75,13 +75,12 @@ enum class GroupedGemmTile : int {
   simple = 3,       // fallback: one thread per output element, no tensor cores
   // Hopper (sm_90a build, compute capability 9.0): wgmma + TMA, 1 producer and
   // 2 consumer warpgroups, CTA tile 128 x N x 64 (src/ops/grouped_gemm_sm90.cu)
-  sm90_m128n256 = 4,    // 4 stages, 1 CTA / SM
-  sm90_m128n128 = 5,    // 6 stages, 1 CTA / SM
-  sm90_m128n128x2 = 6,  // 3 stages, 2 CTAs / SM (one's epilogue overlaps the other's main loop)
+  sm90_m128n256 = 4,  // 3 stages + a 64 KB epilogue staging buffer, persistent, 1 CTA / SM
+  sm90_m128n128 = 5,  // 4 stages + a 32 / 64 KB staging buffer, persistent, 1 CTA / SM
 };
 inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::m128n128k32, GroupedGemmTile::m128n256k64,
                                                         GroupedGemmTile::m128n128k64, GroupedGemmTile::sm90_m128n256,
-                                                        GroupedGemmTile::sm90_m128n128, GroupedGemmTile::sm90_m128n128x2};
+                                                        GroupedGemmTile::sm90_m128n128};
 
 // Whether `tile` can run on the current device: the sm90 tiles need this
 // library built for sm_90a and a device of compute capability 9.0; every

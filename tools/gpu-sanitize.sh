@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# tools/gpu-sanitize.sh: compute-sanitizer memcheck and racecheck over the
+# focused GPU test cases of the Hopper kernels (small shapes: racecheck is
+# slow). Run on the GPU machine after tools/gpu-test.sh has built build/gpu:
+#
+#   tools/gpu-sanitize.sh        # logs in ${OUT:-build/gpu/out}/sanitize-*.log
+#
+# Prints one line per (case, tool) with the sanitizer's error summary; exits
+# non-zero if any run failed, timed out or reported an error.
+set -uo pipefail
+BUILD=${BUILD:-build/gpu}
+OUT_DIR=${OUT:-$BUILD/out}
+mkdir -p "$OUT_DIR"
+CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+# "test binary|test case name"
+CASES=(
+  "test_ops_grouped_gemm_gpu|grouped GEMM Hopper kernels on ragged partial tiles"
+)
+failed=0
+for entry in "${CASES[@]}"; do
+  bin=${entry%%|*}
+  name=${entry#*|}
+  for tool in memcheck racecheck; do
+    log="$OUT_DIR/sanitize-$bin-$tool.log"
+    timeout "${SLIME_SANITIZE_TIMEOUT_S:-240}" "$CS" --tool "$tool" --error-exitcode 9 "$BUILD/tests/$bin" "$name" \
+      >"$log" 2>&1
+    rc=$?
+    echo "$tool  $bin: '$name': rc=$rc; $(grep -m1 'ERROR SUMMARY' "$log" || echo 'no summary')"
+    ((rc != 0)) && failed=1
+  done
+done
+exit $failed
