@@ -356,7 +356,11 @@ GroupedGemmBackend grouped_gemm_backend_for(const GroupedGemmParams& p) {
   if (p.tile != GroupedGemmTile::automatic) return GroupedGemmBackend::kernel;
   const GroupedGemmBackend b = p.backend != GroupedGemmBackend::automatic ? p.backend : grouped_gemm_backend();
   if (b != GroupedGemmBackend::automatic) return b;
-  return p.host_offsets != nullptr ? GroupedGemmBackend::cublas : GroupedGemmBackend::kernel;
+  // Host offsets pick cuBLAS unless the Hopper kernels take these inputs.
+  if (p.host_offsets == nullptr) return GroupedGemmBackend::kernel;
+  const GroupedGemmTile t = grouped_gemm_tile_for(p);
+  const bool hopper = t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128;
+  return hopper ? GroupedGemmBackend::kernel : GroupedGemmBackend::cublas;
 }
 
 int64_t grouped_gemm_cublas_fallbacks() { return g_fallbacks.load(std::memory_order_relaxed); }

@@ -577,6 +577,8 @@ bool grouped_gemm_sm90_auto() {
   return on && grouped_gemm_sm90_device();
 }
 
+bool grouped_gemm_hopper_kernels() { return grouped_gemm_sm90_auto(); }
+
 // Whether the persistent kernel's shared memory (stages, staging buffer and a
 // tile table of 2 (E + 1) ints) fits beside its CTAs per SM: E up to about
 // 1000 (sm90_m128n256 with bf16 out) to 8000.

@@ -196,9 +196,16 @@ void check_case(const Case& c, uint64_t seed) {
   std::vector<Variant> variants;
   for (GroupedGemmTile t : tiles) variants.push_back({t, false});
   if (!c.hopper_only) variants.push_back({GroupedGemmTile::automatic, true});
+  struct RestoreBackend {
+    ~RestoreBackend() { ops::cuda::set_grouped_gemm_backend(ops::cuda::GroupedGemmBackend::automatic); }
+  } restore_backend;
   for (const Variant& v : variants) {
     const GroupedGemmTile tile = v.tile;
     const std::span<const int32_t> host = v.cublas ? std::span<const int32_t>(off) : std::span<const int32_t>();
+    // The cuBLAS variant forces the backend: with host offsets alone the
+    // Hopper kernels would run where they take the inputs.
+    ops::cuda::set_grouped_gemm_backend(v.cublas ? ops::cuda::GroupedGemmBackend::cublas
+                                                 : ops::cuda::GroupedGemmBackend::automatic);
     for (DType out : outs) {
       INFO((v.cublas ? "cuBLAS backend" : "kernel") << ", tile " << ops::cuda::grouped_gemm_tile_name(tile) << " (runs "
                                                     << ops::cuda::grouped_gemm_tile_name([&] {
@@ -330,13 +337,23 @@ TEST_CASE("grouped GEMM backend knobs pick the kernels or cuBLAS", "[ops][moe][g
   auto same_bits = [](const std::vector<BFloat16>& a, const std::vector<BFloat16>& b) {
     return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(BFloat16)) == 0;
   };
+  // Host offsets choose cuBLAS, except where the Hopper kernels run (faster).
+  const bool hopper = ops::cuda::grouped_gemm_hopper_kernels();
+  const GroupedGemmBackend with_host = hopper ? GroupedGemmBackend::kernel : GroupedGemmBackend::cublas;
+  auto forward_cublas = [&](std::span<const int32_t> host) {
+    ops::cuda::set_grouped_gemm_backend(GroupedGemmBackend::cublas);
+    std::vector<BFloat16> y = forward(host);
+    ops::cuda::set_grouped_gemm_backend(GroupedGemmBackend::automatic);
+    return y;
+  };
   const int64_t fallbacks = ops::cuda::grouped_gemm_cublas_fallbacks();
-  const std::vector<BFloat16> y_kernel = forward({}), y_cublas = forward(off);
+  const std::vector<BFloat16> y_kernel = forward({}), y_cublas = forward_cublas(off);
+  CHECK(same_bits(forward(off), hopper ? y_kernel : y_cublas));
   // bf16 -> bf16 is one of cublasGemmGroupedBatchedEx's type combinations
   // (no fallback to the loop); the backend's other form, the per-expert loop.
   CHECK(ops::cuda::grouped_gemm_cublas_fallbacks() == fallbacks);
   ops::cuda::set_grouped_gemm_cublas_grouped_api(false);
-  const std::vector<BFloat16> y_grouped = forward(off);  // (the loop's result)
+  const std::vector<BFloat16> y_grouped = forward_cublas(off);  // (the loop's result)
   ops::cuda::set_grouped_gemm_cublas_grouped_api(true);
   {  // the backends agree to bf16 rounding
     std::vector<double> want(y_kernel.size());
@@ -350,7 +367,8 @@ TEST_CASE("grouped GEMM backend knobs pick the kernels or cuBLAS", "[ops][moe][g
   CHECK(ops::cuda::grouped_gemm_backend() == GroupedGemmBackend::automatic);
   CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::kernel);
   q.host_offsets = off.data();
-  CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::cublas);
+  CHECK(ops::cuda::grouped_gemm_backend_for(q) == with_host);
+  CHECK(ops::grouped_gemm_wants_host_offsets(d) == !hopper);
   q.backend = GroupedGemmBackend::kernel;  // explicit per call
   CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::kernel);
   q.backend = GroupedGemmBackend::automatic;

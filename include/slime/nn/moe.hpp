@@ -36,11 +36,12 @@
 // backend when they get the group offsets on the host (ops/grouped_gemm.hpp).
 // A dispatcher that exchanged counts (expert parallelism of degree > 1)
 // already has them (the handle's local_counts()): free. Otherwise, when
-// `host_group_sizes` is on (the default), forward copies the dispatch's
-// offsets [E_local + 1] to the host once and synchronises the stream (after
-// queueing the permute, so the GPU stays busy while the host waits);
-// with it off, the grouped GEMMs run the device-offset kernels and forward
-// never synchronises. backward reuses forward's host offsets (Context). The
+// `host_group_sizes` is on (the default) and the device is one where cuBLAS
+// is the faster backend (ops::grouped_gemm_wants_host_offsets: not Hopper,
+// whose wgmma kernels beat it), forward copies the dispatch's offsets
+// [E_local + 1] to the host once and synchronises the stream (after queueing
+// the permute, so the GPU stays busy while the host waits); otherwise the
+// grouped GEMMs run the device-offset kernels and forward never synchronises. backward reuses forward's host offsets (Context). The
 // CPU path is unchanged.
 //
 // Memory: forward keeps what backward needs in the Context, in buffers that
@@ -99,9 +100,9 @@ struct SparseMoeBlock {
   MoeBlockConfig config;
   Parameter gate;                           // "<prefix>.gate.weight" [E, H]
   Parameter gate_proj, up_proj, down_proj;  // stacked experts, see the top of this file
-  // CUDA: copy the group sizes to the host (one stream synchronisation per
-  // forward where dispatch has not already) so the grouped GEMMs use cuBLAS;
-  // see the top of this file.
+  // CUDA without the Hopper kernels: copy the group sizes to the host (one
+  // stream synchronisation per forward where dispatch has not already) so the
+  // grouped GEMMs use cuBLAS; see the top of this file.
   bool host_group_sizes = true;
 
   SparseMoeBlock() = default;
@@ -189,7 +190,7 @@ struct SparseMoeBlock {
         ctx.host_offsets.assign(counts.size() + 1, 0);
         for (std::size_t i = 0; i < counts.size(); ++i)
           ctx.host_offsets[i + 1] = int32_t(ctx.host_offsets[i] + counts[i]);
-      } else if (host_group_sizes) {
+      } else if (host_group_sizes && ops::grouped_gemm_wants_host_offsets(dev)) {
         copy_offsets_to_host(ctx, stream);
       }
     }

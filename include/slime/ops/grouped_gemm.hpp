@@ -29,8 +29,9 @@
 // `offsets`); on CUDA it must equal the device offsets (not checked: that would
 // need a synchronisation) and selects the cuBLAS backend
 // (cublasGemmGroupedBatchedEx, see slime/ops/cuda/grouped_gemm.hpp), which is
-// not bitwise equal to the kernels. Without it CUDA runs the kernels over the
-// device offsets. cuda::set_grouped_gemm_backend or the environment variable
+// not bitwise equal to the kernels, except where the Hopper kernels take the
+// inputs (sm_90: they are faster than cuBLAS; grouped_gemm_wants_host_offsets
+// says which). Without it CUDA runs the kernels over the device offsets. cuda::set_grouped_gemm_backend or the environment variable
 // SLIME_GROUPED_GEMM_BACKEND=kernel|cublas force either backend (benchmarks).
 // The CPU path is the same with or without it.
 #pragma once
@@ -249,6 +250,22 @@ inline void grouped_gemm_backward_weight(const Tensor& dy, const Tensor& x, cons
     cpu::grouped_gemm_backward_weight(dy.data<T>(), x.data<T>(), offsets.data<int32_t>(), experts, out_f, in_f,
                                       dw.data<float>());
   });
+}
+
+// Whether host offsets would change the backend on device `d`: true where
+// the cuBLAS backend is the faster one (CUDA devices without the Hopper
+// kernels: cuBLAS's grouped GEMM beats the mma.sync kernels there), false on
+// the CPU and where the sm90 kernels run (they beat cuBLAS on every measured
+// shape, bench/RESULTS.md). Callers that would synchronise to fetch the group
+// sizes (nn::SparseMoeBlock) skip it when this is false.
+inline bool grouped_gemm_wants_host_offsets([[maybe_unused]] Device d) {
+#if SLIME_HAS_CUDA
+  if (!d.is_cuda()) return false;
+  DeviceGuard guard(d);
+  return !cuda::grouped_gemm_hopper_kernels();
+#else
+  return false;
+#endif
 }
 
 }  // namespace slime::ops

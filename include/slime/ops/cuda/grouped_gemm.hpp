@@ -147,6 +147,11 @@ int64_t grouped_gemm_cublas_fallbacks();
 // "automatic", "kernel", "cublas".
 const char* grouped_gemm_backend_name(GroupedGemmBackend b);
 
+// Whether the automatic choice takes the Hopper (sm90) kernels on the
+// current device: an sm_90a build, a compute capability 9.0 device, and not
+// turned off by SLIME_GROUPED_GEMM_SM90=0 (for before/after benchmarks).
+bool grouped_gemm_hopper_kernels();
+
 // The kernel grouped_gemm(p) runs: p.tile when forced, else the dispatcher's
 // choice by pass and shape (simple when the inputs need the fallback).
 GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p);
