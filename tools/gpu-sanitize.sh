@@ -25,7 +25,7 @@ for entry in "${CASES[@]}"; do
     timeout "${SLIME_SANITIZE_TIMEOUT_S:-240}" "$CS" --tool "$tool" --error-exitcode 9 "$BUILD/tests/$bin" "$name" \
       >"$log" 2>&1
     rc=$?
-    echo "$tool  $bin: '$name': rc=$rc; $(grep -m1 'ERROR SUMMARY' "$log" || echo 'no summary')"
+    echo "$tool  $bin: '$name': rc=$rc; $(grep -m1 'SUMMARY' "$log" || echo 'no summary')"
     ((rc != 0)) && failed=1
   done
 done
