@@ -110,9 +110,14 @@ Problem& problem(const AttnShape& s) {
 void forward(Problem& p) {
   slime::ops::attention_forward(p.q, p.k, p.v, p.cu, p.cu, p.shape.seqlen, p.shape.seqlen, p.o, p.lse, {}, p.stream);
 }
+// The /det rows: AttentionOptions::deterministic (dq summed in key-block order).
+bool g_deterministic = false;
+
 void backward(Problem& p) {
+  slime::ops::AttentionOptions opt;
+  opt.deterministic = g_deterministic;
   slime::ops::attention_backward(p.q, p.k, p.v, p.o, p.lse, p.d_o, p.cu, p.cu, p.shape.seqlen, p.shape.seqlen, p.dq,
-                                 p.dk, p.dv, {}, p.workspace, p.stream);
+                                 p.dk, p.dv, opt, p.workspace, p.stream);
 }
 void launch(Problem& p, Op op) {
   if (op != Op::bwd) forward(p);
@@ -192,12 +197,14 @@ std::string check_once(Problem& p, Op op) {
   return "";
 }
 
-void run_attention(benchmark::State& state, AttnShape s, Op op) {
+void run_attention(benchmark::State& state, AttnShape s, Op op, bool deterministic = false) {
   if (slime::bench::skip_without_cuda(state)) return;
+  g_deterministic = deterministic;
   slime::bench::run_or_skip(state, [&] {
     Problem& p = problem(s);
     static std::map<std::string, std::string> verdicts;
-    if (!slime::bench::passed_check(state, verdicts, shape_name(s) + op_name(op), [&] { return check_once(p, op); }))
+    if (!slime::bench::passed_check(state, verdicts, shape_name(s) + op_name(op) + (deterministic ? "det" : ""),
+                                    [&] { return check_once(p, op); }))
       return;
     if (op == Op::bwd) forward(p);
     const double t = slime::bench::time_batches(state, p.stream, kWarmup, kBatch, [&] { launch(p, op); });
@@ -214,6 +221,10 @@ int main(int argc, char** argv) {
       slime::bench::register_manual(
           name, [s, op](benchmark::State& st) { run_attention(st, s, op); }, benchmark::kMicrosecond, kIterations,
           kRepetitions);
+      if (op != Op::fwd)  // the deterministic backward's cost
+        slime::bench::register_manual(
+            name + "/det", [s, op](benchmark::State& st) { run_attention(st, s, op, true); }, benchmark::kMicrosecond,
+            kIterations, kRepetitions);
     }
   }
   const int rc = slime::bench::run_benchmarks(argc, argv);

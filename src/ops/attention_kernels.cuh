@@ -40,7 +40,18 @@
 // Determinism: forward (o, lse), dk and dv are bitwise run-to-run
 // deterministic (fixed summation order). dq is accumulated across key blocks
 // with fp32 atomics (red.global.add.v2.f32): not run-to-run deterministic (the
-// order of additions varies; differences are fp32 rounding).
+// order of additions varies; differences are fp32 rounding), unless
+// AttentionOptions::deterministic: then the key-block CTAs of a (sequence,
+// query head, query block, column split) add their dq partials in key-block
+// order, 0 first. A turn counter per query block (int32 in the workspace,
+// zeroed with the accumulator) says whose turn it is: the CTA of key block n
+// waits (thread 0, before the barrier that precedes its adds) until the
+// counter reads n, adds, fences, and passes the turn on after its next
+// barrier. Under causal and full masks the key blocks that see a query block
+// are 0..n_max, so the turn of key block n is n. No deadlock: the grid
+// launches key blocks in increasing blockIdx.x for each (sequence, kv head),
+// so a CTA only waits for CTAs that started before it. Cost: bench_attention's
+// /det rows.
 //
 // Resources (ptxas -v, sm_90a, CUDA 13.0; regs / spill bytes / smem / CTAs
 // per SM; LDSM = ldmatrix.x4 per warp, counted in the SASS):
@@ -133,6 +144,22 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 #if !defined(SLIME_ATTENTION_EMULATION)
 using namespace ::slime::ops::detail::ptx;  // cp_async_*, ldmatrix_x4*, mma_bf16
+
+// The deterministic dq's turns (see Determinism above); the emulator
+// supplies its own.
+__device__ __forceinline__ void dq_turn_wait(const int* turn, int mine) {
+  int v;
+  for (;;) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(turn) : "memory");
+    if (v == mine) return;
+    __nanosleep(64);
+  }
+}
+__device__ __forceinline__ void dq_turn_pass(int* turn) {
+  __threadfence();
+  atomicAdd(turn, 1);
+}
+__device__ __forceinline__ void dq_adds_fence() { __threadfence(); }
 #endif
 
 // Two floats -> bf16x2 (round to nearest even); `lo` in the low half, which is
@@ -653,6 +680,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const bf16* gdO = static_cast<const bf16*>(bp.d_o) + int64_t(q0) * q_stride;
   float* dq_acc = bp.workspace + int64_t(q0) * q_stride;
   const float* delta = bp.workspace + int64_t(p.tokens_q) * q_stride + int64_t(q0) * p.heads_q;
+  // Deterministic dq: the turn counters [T, Hq, 2] after D (null: atomics in
+  // any order). Step s's counter is its query block's first row, head, split.
+  int* const dq_turns = p.options.deterministic
+                            ? reinterpret_cast<int*>(bp.workspace + int64_t(p.tokens_q) * p.heads_q * (kD + 1))
+                            : nullptr;
+  auto turn_of = [&](int s) {
+    const int h = hk * group + s / n_m;
+    const int row0 = (m_begin + s % n_m) * kBM;
+    return dq_turns + (int64_t(q0 + row0) * p.heads_q + h) * 2 + (kSplits == 1 ? 0 : int(blockIdx.z) % kSplits);
+  };
   const float scale_log2 = p.softmax_scale * kLog2e;
 
   // Step `it` is query head hk * group + it / n_m, query block m_begin + it % n_m.
@@ -724,8 +761,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   //     its barrier, rewritten in step it + 2 after the next barrier.
   for (int it = 0; it <= n_iter; ++it) {
     const int buf = it & 1;
+    // Deterministic dq: step it - 1's adds (after this barrier) wait for
+    // their turn; step it - 2's, fenced before it, pass the turn on.
+    if (dq_turns != nullptr && tid == 0 && it > 0) dq_turn_wait(turn_of(it - 1), n_block);
     cp_async_wait<0>();  // this thread's copies for step it landed
     __syncthreads();
+    if (dq_turns != nullptr && tid == 0 && it > 1) dq_turn_pass(turn_of(it - 2));
     if constexpr (kKVRegs) {
       if (it == 0) {
 #pragma unroll
@@ -798,6 +839,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
                           make_float2(acc_dq[mt][i][2 * r], acc_dq[mt][i][2 * r + 1]));
           }
         }
+      if (dq_turns != nullptr) dq_adds_fence();  // before the barrier after which the turn passes
     }
 
     if (it < n_iter) {
@@ -927,6 +969,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     if (it + 1 < n_iter) store_row_stats(buf ^ 1, next_lse, next_dlt);
   }
   cp_async_wait<0>();
+  if (dq_turns != nullptr && n_iter > 0) {  // the last step's turn (its adds ran in step n_iter)
+    __syncthreads();
+    if (tid == 0) dq_turn_pass(turn_of(n_iter - 1));
+  }
 
   // dK = scale * dS^T Q summed, dV = P^T dO summed, columns [c0, c0 + kDO)
   // less the padding past kD; keys past the sequence are not written. Keys
@@ -970,6 +1016,8 @@ void backward_launch(const AttentionBackwardParams& bp, cudaStream_t stream) {
   if (p.num_seqs == 0 || p.heads_q == 0) return;
   if (n > 0) {
     SLIME_CUDA_CHECK(cudaMemsetAsync(bp.workspace, 0, std::size_t(n) * sizeof(float), stream));
+    if (p.options.deterministic)  // the turn counters after D: int32 [T, Hq, 2]
+      SLIME_CUDA_CHECK(cudaMemsetAsync(bp.workspace + n + rows, 0, std::size_t(rows) * 2 * sizeof(int), stream));
     constexpr int kThreads = 256;
     const int64_t blocks = (rows * preprocess_lanes(kD) + kThreads - 1) / kThreads;
     attention_bwd_preprocess_kernel<kD><<<unsigned(blocks), kThreads, 0, stream>>>(

@@ -854,6 +854,14 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* p) { attent
 inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   attention_emulation::mma(c, a, b0, b1);
 }
+// The deterministic dq's turns: CTAs run one after another in blockIdx order
+// (x fastest), so every turn has come when it is waited for; one that has
+// not is an ordering bug.
+inline void dq_turn_wait(const int* turn, int mine) {
+  if (*turn != mine) attention_emulation::fail("deterministic dq: a key block's turn came out of order");
+}
+inline void dq_turn_pass(int* turn) { ++*turn; }
+inline void dq_adds_fence() {}
 }  // namespace slime::ops::cuda::attention_impl
 #include "../../src/ops/attention_kernels.cuh"
 #undef threadIdx
@@ -891,6 +899,7 @@ void emulated_backward(const cuda::AttentionBackwardParams& bp) {
   const cuda::AttentionForwardParams& p = bp.fwd;
   const int64_t rows = int64_t(p.tokens_q) * p.heads_q, n = rows * kD;
   std::memset(bp.workspace, 0, std::size_t(n) * sizeof(float));
+  if (p.options.deterministic) std::memset(bp.workspace + n + rows, 0, std::size_t(rows) * 2 * sizeof(int));
   emu::launch({unsigned((rows * ai::preprocess_lanes(kD) + 255) / 256), 1, 1}, 256, 0, [&] {
     ai::attention_bwd_preprocess_kernel<kD>(static_cast<const ai::bf16*>(p.o), static_cast<const ai::bf16*>(bp.d_o),
                                             bp.workspace + n, rows);
@@ -925,9 +934,13 @@ double rel_err_f(const std::vector<float>& a, const std::vector<float>& b) {
 // Emulated kernels vs the f32 reference on the same bf16 inputs; tolerances
 // as in test_attention_gpu.cu (the emulated mma sums in a different order
 // than the hardware, which is far inside them).
+// `deterministic_too`: the backward again with AttentionOptions::deterministic
+// (the turn counters: a turn out of order fails the emulator), which must give
+// the same bits (the emulator runs CTAs, and so their atomics, in key-block
+// order anyway).
 template <int kD>
 void check_emulated(const std::vector<int32_t>& lens_q, const std::vector<int32_t>& lens_k, int hq, int hkv,
-                    const AttentionOptions& opt, uint64_t seed) {
+                    const AttentionOptions& opt, uint64_t seed, bool deterministic_too = false) {
   const std::vector<int32_t> cq = prefix(lens_q), ck = prefix(lens_k);
   const int B = int(lens_q.size()), T = cq.back(), Tk = ck.back();
   auto bf = [](int64_t n, uint64_t s) {
@@ -983,12 +996,27 @@ void check_emulated(const std::vector<int32_t>& lens_q, const std::vector<int32_
   CHECK(rel_err_f(floats_of(dq), rdq) <= 2e-2);
   CHECK(rel_err_f(floats_of(dk), rdk) <= 2e-2);
   CHECK(rel_err_f(floats_of(dv), rdv) <= 2e-2);
+  if (deterministic_too) {
+    std::vector<BFloat16> dq2(q.size(), nan), dk2(k.size(), nan), dv2(k.size(), nan);
+    std::fill(ws.begin(), ws.end(), std::nanf(""));
+    bp.fwd.options.deterministic = true;
+    bp.dq = dq2.data();
+    bp.dk = dk2.data();
+    bp.dv = dv2.data();
+    emulated_backward<kD>(bp);
+    auto same = [](const std::vector<BFloat16>& a, const std::vector<BFloat16>& b) {
+      return std::memcmp(a.data(), b.data(), a.size() * sizeof(BFloat16)) == 0;
+    };
+    CHECK(same(dq, dq2));
+    CHECK(same(dk, dk2));
+    CHECK(same(dv, dv2));
+  }
 }
 
 template <int kD>
 void emulated_cases() {
   AttentionOptions opt;
-  SECTION("causal self-attention, GQA 2 to 1") { check_emulated<kD>({1, 17, 130}, {1, 17, 130}, 2, 1, opt, 11); }
+  SECTION("causal self-attention, GQA 2 to 1") { check_emulated<kD>({1, 17, 130}, {1, 17, 130}, 2, 1, opt, 11, true); }
   SECTION("causal offset -50: rows and keys that see nothing") {
     opt.causal_offset = -50;
     check_emulated<kD>({3, 60, 130}, {3, 60, 130}, 2, 1, opt, 41);
@@ -1005,6 +1033,10 @@ void emulated_cases() {
     opt.causal = false;
     opt.softmax_scale = 0.05f;
     check_emulated<kD>({33, 0, 70}, {70, 31, 65}, 2, 2, opt, 71);
+  }
+  SECTION("full mask, 2 key blocks, deterministic dq") {
+    opt.causal = false;
+    check_emulated<kD>({70, 140}, {200, 150}, 2, 1, opt, 81, true);
   }
 }
 

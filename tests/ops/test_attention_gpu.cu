@@ -240,6 +240,48 @@ TEST_CASE("attention on CUDA: o, lse, dk and dv are bitwise run-to-run determini
   }
 }
 
+TEST_CASE("attention on CUDA: the deterministic backward gives the same dq bits every run", "[ops][attention][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device dev = Device::cuda(0);
+  // Several key blocks per sequence (128 keys each) and a long one, so that
+  // many CTAs add to the same query rows; causal and full masks.
+  const std::vector<int32_t> cu = prefix({1000, 1, 555, 2048});
+  const Tensor tcu = Tensor::from_vector(cu, {5}, dev);
+  const int64_t T = cu.back();
+  for (const bool causal : {true, false}) {
+    for (int64_t d : {128, 64, 256}) {
+      INFO("head_dim " << d << (causal ? ", causal" : ", full"));
+      const Tensor q = random_bf16({T, 8, d}, 17, dev), k = random_bf16({T, 2, d}, 18, dev);
+      const Tensor v = random_bf16({T, 2, d}, 19, dev), d_o = random_bf16({T, 8, d}, 20, dev);
+      AttentionOptions opt;
+      opt.causal = causal;
+      const Tensor o = Tensor::empty(q.shape(), DType::bf16, dev), lse = Tensor::empty({T, 8}, DType::f32, dev);
+      attention_forward(q, k, v, tcu, tcu, 2048, 2048, o, lse, opt);
+      auto backward = [&](bool deterministic) {
+        AttentionOptions b = opt;
+        b.deterministic = deterministic;
+        std::vector<Tensor> g = {Tensor::empty(q.shape(), DType::bf16, dev), Tensor::empty(k.shape(), DType::bf16, dev),
+                                 Tensor::empty(k.shape(), DType::bf16, dev)};
+        for (Tensor& t : g) t.fill_bytes_(0xff);
+        attention_backward(q, k, v, o, lse, d_o, tcu, tcu, 2048, 2048, g[0], g[1], g[2], b);
+        return g;
+      };
+      auto bytes = [](const Tensor& t) {
+        std::vector<uint8_t> x(t.nbytes());
+        const Tensor h = t.to(Device::cpu());
+        std::memcpy(x.data(), h.data_ptr(), x.size());
+        return x;
+      };
+      const std::vector<Tensor> ref = backward(false), a = backward(true), b = backward(true), c = backward(true);
+      CHECK(bytes(a[0]) == bytes(b[0]));  // dq, bitwise
+      CHECK(bytes(a[0]) == bytes(c[0]));
+      CHECK(bytes(a[1]) == bytes(ref[1]));  // dk and dv do not change
+      CHECK(bytes(a[2]) == bytes(ref[2]));
+      CHECK(rel_err(host_floats(a[0]), host_floats(ref[0])) <= 1e-2);  // the same sums in another order
+    }
+  }
+}
+
 TEST_CASE("merge_attention_partials on CUDA matches the CPU", "[ops][attention][gpu]") {
   if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
   const Device dev = Device::cuda(0);

@@ -43,14 +43,17 @@
 // group). Parameter gradients elsewhere accumulate (+=) into fp32.
 //
 // Determinism: o, lse, dk and dv are bitwise run-to-run deterministic on both
-// devices. On CUDA dq is summed over key blocks with fp32 atomics: it is NOT
-// run-to-run deterministic (differences at fp32 rounding, before the final
-// bf16 rounding). The CPU path is deterministic.
+// devices. On CUDA dq is summed over key blocks with fp32 atomics: by default
+// it is NOT run-to-run deterministic (differences at fp32 rounding, before
+// the final bf16 rounding); AttentionOptions::deterministic makes the key
+// blocks add in a fixed order (bitwise run to run; its cost: bench_attention's
+// /det rows). The CPU path is deterministic.
 //
 // Workspace: attention_backward on CUDA needs
-// attention_backward_workspace_elems(q) f32 elements (dq accumulator and
-// D = rowsum(do * o)). Pass a tensor that large to allocate nothing in the
-// call; an undefined workspace makes the call allocate one (stream-ordered).
+// attention_backward_workspace_elems(q) f32 elements (dq accumulator,
+// D = rowsum(do * o) and the deterministic mode's turn counters). Pass a
+// tensor that large to allocate nothing in the call; an undefined workspace
+// makes the call allocate one (stream-ordered).
 #pragma once
 
 #include <cmath>

@@ -70,6 +70,10 @@ struct AttentionOptions {
   int causal_offset = 0;
   CausalAlign align = CausalAlign::top_left;
   float softmax_scale = 0.f;  // 0: 1 / sqrt(head_dim)
+  // Backward on CUDA: sum dq over key blocks in a fixed order (bitwise run to
+  // run) instead of in whatever order the fp32 atomics land. The CPU path is
+  // always deterministic and ignores it.
+  bool deterministic = false;
 
   // The CausalMask offset of a sequence with these lengths.
   SLIME_HOST_DEVICE int offset_for(int len_q, int len_k) const {

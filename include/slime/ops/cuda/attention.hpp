@@ -35,7 +35,8 @@ struct AttentionForwardParams {
 // The forward's fields plus the gradients. d_o is bf16 [T, Hq, d]; dq the same;
 // dk, dv bf16 [Tk, Hkv, d]. workspace: attention_backward_workspace_elems()
 // f32 elements, 16-byte aligned (dq accumulator [T, Hq, d], then
-// D = rowsum(do * o) [T, Hq]). max_seqlen_k must be >= every key length.
+// D = rowsum(do * o) [T, Hq], then the deterministic mode's turn counters,
+// int32 [T, Hq, 2]). max_seqlen_k must be >= every key length.
 struct AttentionBackwardParams {
   AttentionForwardParams fwd;  // o and lse are read, not written
   const void* d_o = nullptr;
@@ -46,7 +47,7 @@ struct AttentionBackwardParams {
 };
 
 inline int64_t attention_backward_workspace_elems(int64_t tokens_q, int64_t heads_q, int64_t head_dim) {
-  return tokens_q * heads_q * (head_dim + 1);
+  return tokens_q * heads_q * (head_dim + 3);
 }
 
 // Runtime head_dim -> compile-time constant: the one place that says which
