@@ -5,6 +5,9 @@
 #
 #   tools/gpu-sanitize.sh        # logs in ${OUT:-build/gpu/out}/sanitize-*.log
 #
+# For the whole GPU suite (every test case of the gpu label, memcheck or
+# racecheck, several at a time) see tools/gpu-sanitize-suite.py.
+#
 # Prints one line per (case, tool) with the sanitizer's error summary; exits
 # non-zero if any run failed, timed out or reported an error.
 set -uo pipefail
@@ -15,6 +18,7 @@ CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 # "test binary|test case name"
 CASES=(
   "test_ops_grouped_gemm_gpu|grouped GEMM Hopper kernels on ragged partial tiles"
+  "test_ops_attention_gpu|attention on CUDA: the deterministic backward gives the same dq bits every run"
 )
 failed=0
 for entry in "${CASES[@]}"; do

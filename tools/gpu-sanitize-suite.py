@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""compute-sanitizer over every test case of ctest labels (default: gpu).
+
+Run on the GPU machine after tools/gpu-test.sh has built build/gpu:
+
+    tools/gpu-sanitize-suite.py --tool memcheck [--label '^gpu$'] [--jobs 4]
+                                [--timeout 300] [--budget 540] [--regex R]
+
+Each ctest test (one Catch2 test case) runs as ctest would run it, with its
+command prefixed by `compute-sanitizer --tool T --error-exitcode 9`, several at
+a time. A test passes when it exits 0 or skips (Catch2's exit 4, as ctest's
+SKIP_RETURN_CODE), and fails on any other exit, a sanitizer report or its
+timeout. Tests left when the overall budget runs out are reported as "not run"
+(and fail the script), never silently dropped. Logs go to
+$OUT/sanitize-suite-<tool>/<test>.log; the last lines printed are a summary.
+"""
+import argparse
+import concurrent.futures as futures
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+
+def ctest_tests(build, label, regex):
+    cmd = ["ctest", "--test-dir", build, "-N", "--show-only=json-v1", "-L", label]
+    if regex:
+        cmd += ["-R", regex]
+    info = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    tests = []
+    for t in info.get("tests", []):
+        if "command" not in t:
+            continue
+        props = {p["name"]: p["value"] for p in t.get("properties", [])}
+        if props.get("DISABLED"):
+            continue
+        env = dict(os.environ)
+        for kv in props.get("ENVIRONMENT", []):
+            k, _, v = kv.partition("=")
+            env[k] = v
+        tests.append({"name": t["name"], "command": t["command"],
+                      "cwd": props.get("WORKING_DIRECTORY"), "env": env})
+    return tests
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.environ.get("BUILD", "build/gpu"))
+    ap.add_argument("--tool", default="memcheck", choices=["memcheck", "racecheck", "synccheck", "initcheck"])
+    ap.add_argument("--label", default="^gpu$")
+    ap.add_argument("--regex", default="")
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per test")
+    ap.add_argument("--budget", type=int, default=540, help="seconds for the whole run")
+    args = ap.parse_args()
+
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    out_dir = os.path.join(os.environ.get("OUT", os.path.join(args.build, "out")), f"sanitize-suite-{args.tool}")
+    os.makedirs(out_dir, exist_ok=True)
+    tests = ctest_tests(args.build, args.label, args.regex)
+    if not tests:
+        print(f"gpu-sanitize-suite: no tests match label {args.label!r} regex {args.regex!r}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+
+    def run(test):
+        left = args.budget - (time.monotonic() - start)
+        if left < 10:
+            return test["name"], "NOT RUN (out of time)", 0.0, ""
+        limit = min(args.timeout, left)
+        log = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9_.-]+", "_", test["name"])[:150] + ".log")
+        cmd = [sanitizer, "--tool", args.tool, "--error-exitcode", "9"]
+        if args.tool == "memcheck":
+            cmd += ["--leak-check", "no"]
+        cmd += test["command"]
+        t0 = time.monotonic()
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, cwd=test["cwd"], env=test["env"], stdout=f, stderr=subprocess.STDOUT,
+                                    timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        took = time.monotonic() - t0
+        with open(log, errors="replace") as f:
+            text = f.read()
+        summary = next((line.strip() for line in text.splitlines() if "ERROR SUMMARY" in line), "no summary")
+        if rc is None:
+            result = f"FAILED (timed out after {limit:.0f}s)"
+        elif rc == 0:
+            result = "ok"
+        elif rc == 4:
+            result = "skipped"
+        else:
+            result = f"FAILED (exit {rc})"
+        return test["name"], result, took, summary
+
+    results = []
+    with futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for name, result, took, summary in pool.map(run, tests):
+            print(f"{result:<28} {took:6.1f}s  {name}  [{summary}]", flush=True)
+            results.append(result)
+    ok = sum(r == "ok" for r in results)
+    skipped = sum(r == "skipped" for r in results)
+    bad = len(results) - ok - skipped
+    print(f"gpu-sanitize-suite {args.tool}: {len(results)} tests, {ok} clean, {skipped} skipped, {bad} failed "
+          f"or not run, {time.monotonic() - start:.0f}s")
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
