@@ -8,6 +8,9 @@
 #      update the student has moved, so step 2's reverse KL is not 0.
 #   3. A run with the other teacher: the reverse KL is logged and non-zero
 #      from step 1, and the loss differs from the run without a teacher.
+#   4. Every run is true on-policy on the CPU: the engine's logprobs of the
+#      sampled tokens equal the trainer's bit for bit (logprob_diff_max and
+#      logprob_mismatch_fraction 0 at every step, over a non-zero count).
 set -euo pipefail
 bin=$1
 dir=$2
@@ -36,5 +39,10 @@ assert abs(kl2) > 1e-7 and math.isfinite(kl2), f"step 2 reverse KL {kl2!r}: the 
 ko = other[1]["opd_reverse_kl"]
 assert math.isfinite(ko) and abs(ko) > 1e-4, f"another teacher: step 1 reverse KL {ko!r}, expected non-zero"
 assert other[1]["loss"] != plain[1]["loss"], "the OPD term did not change the loss"
+for name, run in (("plain", plain), ("self", self_t), ("other", other)):
+    for step, r in run.items():
+        for key in ("logprob_diff_max", "logprob_diff_mean", "logprob_mismatch_fraction"):
+            assert key in r, f"{name} step {step}: {key} is not logged"
+            assert r[key] == 0, f"{name} step {step}: {key} = {r[key]!r}, expected 0 (CPU engine = trainer)"
 print(f"opd check: self-teacher reverse KL {kl1!r} at step 1, {kl2!r} at step 2; other teacher {ko!r} at step 1")
 PY

@@ -17,6 +17,7 @@
 #include "slime/core/tensor.hpp"
 #include "slime/io/metrics_log.hpp"
 #include "slime/rl/importance_sampler.hpp"
+#include "slime/rl/logprob_mismatch.hpp"
 #include "slime/rl/policy_loss.hpp"
 
 namespace rl_example {
@@ -62,6 +63,7 @@ struct StepMetrics {
   double reward = 0;                        // sum over the responses
   slime::rl::PolicyLossMetrics loss;        // additive (global normalisers)
   slime::rl::ImportanceMetrics importance;  // additive
+  slime::rl::LogprobMismatch on_policy;     // trainer vs engine logprobs of the sampled tokens
   double opd_reverse_kl = 0;                // --teacher: Σ (student lp - teacher lp) over the response tokens
   int64_t peak_memory_bytes = 0;            // the step's device high-water mark, max over ranks
   // This rank's (rank 0 logs its own).
@@ -91,6 +93,10 @@ struct StepMetrics {
     f(importance.trainer_lp_sum, Reduce::sum);
     f(importance.rollout_lp_sum, Reduce::sum);
     f(importance.k3_sum, Reduce::sum);
+    f(on_policy.tokens, Reduce::sum);
+    f(on_policy.mismatched, Reduce::sum);
+    f(on_policy.abs_diff_sum, Reduce::sum);
+    f(on_policy.abs_diff_max, Reduce::max);
     f(opd_reverse_kl, Reduce::sum);
     f(peak_memory_bytes, Reduce::max);
   }
@@ -114,6 +120,10 @@ struct StepMetrics {
             {"importance_weight_mean", im.kept > 0 ? im.weight_sum / im.kept : 1.0},
             {"importance_clip_fraction", im.tokens > 0 ? im.clipped / im.tokens : 0.0},
             {"kl_rollout_k3", im.tokens > 0 ? im.k3_sum / im.tokens : 0.0},
+            // the engine/trainer logprob gap over the response tokens (all 0: true on-policy)
+            {"logprob_diff_max", on_policy.max_abs_diff()},
+            {"logprob_diff_mean", on_policy.mean_abs_diff()},
+            {"logprob_mismatch_fraction", on_policy.mismatch_fraction()},
             // --teacher: the mean reverse KL (k1) to the teacher per response token (0 without)
             {"opd_reverse_kl", response_tokens > 0 ? opd_reverse_kl / double(response_tokens) : 0.0},
             {"tokens", double(tokens)},

@@ -75,6 +75,7 @@
 #include "slime/parallel/sharded_checkpoint.hpp"
 #include "slime/rl/advantages.hpp"
 #include "slime/rl/importance_sampler.hpp"
+#include "slime/rl/logprob_mismatch.hpp"
 #include "slime/rl/policy_loss.hpp"
 #include "slime/rl/reference_model.hpp"
 #include "slime/rollout/engine.hpp"
@@ -599,8 +600,10 @@ class Trainer {
     if (o_.entropy_coef != 0) in.entropy = whole(fwd.entropy);
     if (ref_) in.ref_lp = whole(ref_->logprobs(local, targets, o_.temperature));
     if (teacher_) in.advantages = distill(in.lp, whole(teacher_->logprobs(local, targets, o_.temperature)), mb, m);
+    const Tensor lp_host = in.lp.to(Device::cpu());
+    m.on_policy += rl::logprob_mismatch(lp_host, mb.rollout_lp, mb.loss_mask);  // the engine/trainer gap
     if (o_.is_correction != "none") {
-      const rl::ImportanceResult w = importance(in.lp.to(Device::cpu()), mb);
+      const rl::ImportanceResult w = importance(lp_host, mb);
       m.importance += w.metrics;
       in.is_weights = w.weights.to(device_);
       in.keep_mask = w.keep_mask.to(device_);
