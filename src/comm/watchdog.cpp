@@ -214,7 +214,7 @@ void PeerWatchdog::run() {
     std::vector<pollfd> fds;
     fds.push_back({wake_read_.get(), POLLIN, 0});
     if (listener_) fds.push_back({listener_.get(), POLLIN, 0});
-    const std::size_t first_pending = fds.size();
+    const std::size_t first_pending = fds.size(), polled_pending = pending.size();
     for (Peer& p : pending) fds.push_back({p.fd.get(), POLLIN, 0});
     const std::size_t first_peer = fds.size();
     std::vector<Peer*> polled;
@@ -246,8 +246,8 @@ void PeerWatchdog::run() {
         pending.push_back(std::move(p));
       }
     }
-    for (std::size_t i = 0; i < pending.size(); ++i) {
-      if (fds.size() <= first_pending + i || fds[first_pending + i].revents == 0) continue;
+    for (std::size_t i = 0; i < polled_pending; ++i) {  // the ones accepted just now: next round
+      if (fds[first_pending + i].revents == 0) continue;
       Peer& p = pending[i];
       unsigned char buf[kHelloSize];
       const ssize_t got = ::recv(p.fd.get(), buf, kHelloSize - p.in.size(), 0);
