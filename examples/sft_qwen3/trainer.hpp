@@ -235,11 +235,20 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
     const nlohmann::json meta = load_checkpoint(sh, o.checkpoint_dir);
     step = meta.at("step").get<int64_t>();
     run_id = meta.at("run_id").get<std::string>();
-    require(meta.value("sequences", int64_t(-1)) == data.size(), "--resume: the checkpoint in '", o.checkpoint_dir,
-            "' was trained on data of ", meta.value("sequences", int64_t(-1)), " sequences, but --data now gives ",
-            data.size(), " (same --data and --max-tokens-per-rank needed)");
+    // Integers checked before reading them (a float would be cast unchecked).
+    const auto meta_int = [&](const char* key, int64_t fallback) {
+      const auto it = meta.find(key);
+      if (it == meta.end()) return fallback;
+      require(it->is_number_integer(), "--resume: \"", key,
+              "\" in the checkpoint's metadata is not an integer: ", it->dump());
+      return it->get<int64_t>();
+    };
+    const int64_t sequences = meta_int("sequences", -1);
+    require(sequences == data.size(), "--resume: the checkpoint in '", o.checkpoint_dir, "' was trained on data of ",
+            sequences, " sequences, but --data now gives ", data.size(),
+            " (same --data and --max-tokens-per-rank needed)");
     sampler.seek(meta.at("data").get<slime::data::DataPosition>());
-    tokens_seen = meta.value("tokens_seen", int64_t(0));
+    tokens_seen = meta_int("tokens_seen", 0);
     result.first_step = step + 1;
     require(step < o.steps, "--resume: the checkpoint is at step ", step, ", not before --steps ", o.steps,
             "; nothing to train");
