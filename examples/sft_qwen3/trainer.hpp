@@ -196,8 +196,8 @@ MicroBatchLoss train_micro_batch(ShardedModel& sh, parallel::ContextParallel& cp
   const nn::PackedBatch batch = cp.local_batch(tokens);
   const int64_t T = plan.local_tokens();
   // Checked on the host: an out-of-range target traps in the GPU kernel.
-  ops::check_token_targets(std::span<const int32_t>(targets), sh.module().config().vocab_size,
-                           "sft_qwen3: micro-batch");
+  slime::ops::check_token_targets(std::span<const int32_t>(targets), sh.module().config().vocab_size,
+                                  "sft_qwen3: micro-batch");
   const Tensor t = Tensor::from_vector(plan.take(targets, 0), {T}, sh.device());
   const Tensor w = Tensor::from_vector(plan.take(weights, 0.f), {T}, sh.device());
   const nn::LossResult r = sh.loss_and_backward(batch, t, w, 1.f, normalizer);
