@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -48,6 +49,7 @@
 #include "slime/nn/qwen3.hpp"
 #include "slime/nn/qwen3_vl.hpp"
 #include "slime/nn/qwen3_vl_checkpoint.hpp"
+#include "slime/ops/host_checks.hpp"
 
 namespace {
 
@@ -137,6 +139,13 @@ void score(Model& model, const Batch& batch, const std::vector<std::vector<int32
     targets.insert(targets.end(), t.begin() + 1, t.end());
     targets.push_back(0);
   }
+  // Checked on the host: an out-of-range target traps in the GPU kernel.
+  int64_t vocab = 0;
+  if constexpr (requires { model.language_config(); })
+    vocab = model.language_config().vocab_size;
+  else
+    vocab = model.config().vocab_size;
+  ops::check_token_targets(std::span<const int32_t>(targets), vocab, file);
   const Tensor target_tensor = Tensor::from_vector(targets, {int64_t(targets.size())}, model.device());
   typename Model::Context ctx;
   const Tensor hidden = model.forward(batch, ctx);

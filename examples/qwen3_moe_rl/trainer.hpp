@@ -48,6 +48,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -67,6 +68,7 @@
 #include "slime/io/train_state.hpp"
 #include "slime/nn/checkpoint.hpp"
 #include "slime/nn/qwen3.hpp"
+#include "slime/ops/host_checks.hpp"
 #include "slime/optim/lr_schedule.hpp"
 #include "slime/parallel/context_parallel.hpp"
 #include "slime/parallel/expert_parallel.hpp"
@@ -531,6 +533,8 @@ class Trainer {
     mb.batch.cu_seqlens = Tensor::from_vector(p.cu_seqlens, {S + 1}, device_);
     mb.batch.cu_seqlens_host = p.cu_seqlens;
     mb.batch.max_seqlen = p.max_seqlen;
+    // Checked on the host: an out-of-range target traps in the GPU kernel.
+    ops::check_token_targets(std::span<const int32_t>(targets), config_.vocab_size, "qwen3_moe_rl: micro-batch");
     mb.targets = Tensor::from_vector(targets, {T}, device_);
     mb.tokens_host = p.tokens;
     mb.loss_mask = Tensor::from_vector(p.loss_mask, {T});
@@ -764,6 +768,7 @@ class Trainer {
     device_to_trainer();
     io::TrainStateSaveOptions so;
     so.keep_last = 2;
+    so.run_id = run_id_;  // empty until a resume: this process's
     // "ranks" and "ep" for the record: a resume may use others.
     parallel::save_sharded_state(*policy_, comm_, dir, step, {{"step", step}, {"ranks", comm_.size()}, {"ep", o_.ep}},
                                  so);
@@ -772,10 +777,13 @@ class Trainer {
   // Any --ranks and --ep: the state reshards on load.
   int64_t resume(const fs::path& dir) {
     const nlohmann::json meta = parallel::load_sharded_state(*policy_, dir);
+    run_id_ = meta.at("run_id").template get<std::string>();
     return meta.at("step").template get<int64_t>();
   }
 
   const Options& o_;
+  // The run id of the checkpoint resumed from (kept by later saves).
+  std::string run_id_;
   comm::Comm& comm_;
   Device device_;
   const RemoteRollout* remote_ = nullptr;           // disaggregated rollout

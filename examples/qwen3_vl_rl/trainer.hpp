@@ -30,6 +30,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -41,6 +42,7 @@
 #include "slime/io/safetensors.hpp"
 #include "slime/nn/qwen3_vl.hpp"
 #include "slime/nn/qwen3_vl_checkpoint.hpp"
+#include "slime/ops/host_checks.hpp"
 #include "slime/optim/lr_schedule.hpp"
 #include "slime/parallel/export_hf.hpp"
 #include "slime/parallel/sharded.hpp"
@@ -266,6 +268,8 @@ class Trainer {
     }
     const int64_t T = int64_t(targets.size()), S = int64_t(seqs.size());
     const nn::VLBatch batch = nn::make_vl_batch(seqs, config_, device_, dtype_);
+    // Checked on the host: an out-of-range target traps in the GPU kernel.
+    ops::check_token_targets(std::span<const int32_t>(targets), config_.text.vocab_size, "qwen3_vl_rl: batch");
     const Tensor tgt = Tensor::from_vector(targets, {T}, device_);
 
     // The loss's normaliser: response tokens and sequences over every rank.

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <string>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -27,16 +28,19 @@ namespace sft {
 // Saves the state as step `step` of `dir` (collective over `comm`, the
 // world the model is sharded over), keeping the keep_last newest checkpoints
 // (0: all). `metadata` (a JSON object) is stored as given, plus "adamw_steps".
+// `run_id`: the run id of the checkpoint this run resumed from (empty: this
+// process's), so that a run keeps one id across resumes.
 template <class ShardedModel>
 void save_checkpoint(ShardedModel& sh, slime::comm::Comm& comm, const std::filesystem::path& dir, int64_t step,
-                     nlohmann::json metadata, int keep_last) {
+                     nlohmann::json metadata, int keep_last, const std::string& run_id) {
   slime::io::TrainStateSaveOptions options;
   options.keep_last = keep_last;
+  options.run_id = run_id;
   slime::parallel::save_sharded_state(sh, comm, dir, step, std::move(metadata), options);
 }
 
 // Loads the newest checkpoint of `dir` into `sh` (every rank reads its own
-// ranges) and returns its metadata, with "step". Throws when there is none.
+// ranges) and returns its metadata, with "step" and "run_id". Throws when there is none.
 template <class ShardedModel>
 nlohmann::json load_checkpoint(ShardedModel& sh, const std::filesystem::path& dir) {
   return slime::parallel::load_sharded_state(sh, dir);

@@ -38,6 +38,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,6 +58,7 @@
 #include "slime/nn/checkpoint.hpp"
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
+#include "slime/ops/host_checks.hpp"
 #include "slime/optim/lr_schedule.hpp"
 #include "slime/parallel/context_parallel.hpp"
 #include "slime/parallel/export_hf.hpp"
@@ -193,6 +195,9 @@ MicroBatchLoss train_micro_batch(ShardedModel& sh, parallel::ContextParallel& cp
   const parallel::CpPlan& plan = cp.plan(cu);
   const nn::PackedBatch batch = cp.local_batch(tokens);
   const int64_t T = plan.local_tokens();
+  // Checked on the host: an out-of-range target traps in the GPU kernel.
+  slime::ops::check_token_targets(std::span<const int32_t>(targets), sh.module().config().vocab_size,
+                                  "sft_qwen3: micro-batch");
   const Tensor t = Tensor::from_vector(plan.take(targets, 0), {T}, sh.device());
   const Tensor w = Tensor::from_vector(plan.take(weights, 0.f), {T}, sh.device());
   const nn::LossResult r = sh.loss_and_backward(batch, t, w, 1.f, normalizer);
@@ -223,16 +228,27 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
   // on every rank (seeded), resumable from a saved DataPosition.
   slime::data::EpochSampler sampler(data.size(), o.seed);
   int64_t step = 0, tokens_seen = 0;
+  std::string run_id;  // the resumed checkpoint's, kept by later saves
   RunResult result;
 
   if (o.resume) {
     const nlohmann::json meta = load_checkpoint(sh, o.checkpoint_dir);
     step = meta.at("step").get<int64_t>();
-    require(meta.value("sequences", int64_t(-1)) == data.size(), "--resume: the checkpoint in '", o.checkpoint_dir,
-            "' was trained on data of ", meta.value("sequences", int64_t(-1)), " sequences, but --data now gives ",
-            data.size(), " (same --data and --max-tokens-per-rank needed)");
+    run_id = meta.at("run_id").get<std::string>();
+    // Integers checked before reading them (a float would be cast unchecked).
+    const auto meta_int = [&](const char* key, int64_t fallback) {
+      const auto it = meta.find(key);
+      if (it == meta.end()) return fallback;
+      require(it->is_number_integer(), "--resume: \"", key,
+              "\" in the checkpoint's metadata is not an integer: ", it->dump());
+      return it->get<int64_t>();
+    };
+    const int64_t sequences = meta_int("sequences", -1);
+    require(sequences == data.size(), "--resume: the checkpoint in '", o.checkpoint_dir, "' was trained on data of ",
+            sequences, " sequences, but --data now gives ", data.size(),
+            " (same --data and --max-tokens-per-rank needed)");
     sampler.seek(meta.at("data").get<slime::data::DataPosition>());
-    tokens_seen = meta.value("tokens_seen", int64_t(0));
+    tokens_seen = meta_int("tokens_seen", 0);
     result.first_step = step + 1;
     require(step < o.steps, "--resume: the checkpoint is at step ", step, ", not before --steps ", o.steps,
             "; nothing to train");
@@ -334,7 +350,7 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
     if (!o.checkpoint_dir.empty() && ((o.checkpoint_every > 0 && step % o.checkpoint_every == 0) || end_of_run)) {
       const nlohmann::json meta = {
           {"data", sampler.position()}, {"sequences", data.size()}, {"tokens_seen", tokens_seen}, {"seed", o.seed}};
-      save_checkpoint(sh, comm, o.checkpoint_dir, step, meta, o.keep_checkpoints);
+      save_checkpoint(sh, comm, o.checkpoint_dir, step, meta, o.keep_checkpoints, run_id);
       if (progress) progress->message(fmt::format("checkpoint: step {} saved to '{}'", step, o.checkpoint_dir));
     }
   }

@@ -47,13 +47,13 @@ int remaining_ms(Clock::time_point deadline) {
   return static_cast<int>(std::min<std::int64_t>(ms, INT_MAX));
 }
 
-namespace {
-
 std::optional<std::string> system_getenv(const char* name) {
   const char* value = std::getenv(name);
   if (value == nullptr) return std::nullopt;
   return std::string(value);
 }
+
+namespace {
 
 // The whole string must be a base-10 integer: "12abc", " 12", "" and out-of-range values are
 // errors, so a typo in a launch script fails here instead of becoming a wrong rank.
@@ -86,6 +86,8 @@ int parse_env_port(const char* name, const std::string& value) {
   return port;
 }
 
+}  // namespace
+
 // A positive number of seconds, fractions allowed ("0.5").
 std::chrono::milliseconds parse_env_seconds(const char* name, const std::string& value) {
   double seconds = 0;
@@ -98,6 +100,8 @@ std::chrono::milliseconds parse_env_seconds(const char* name, const std::string&
   }
   return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(seconds * 1000)));
 }
+
+namespace {
 
 // The variable each field came from, so a validation error names what the user has to fix.
 struct EnvNames {
@@ -139,9 +143,9 @@ void read_master(const GetenvFn& getenv_fn, ProcessInfo& info, const char* fallb
   }
 }
 
-std::string errno_text(int err) { return std::system_category().message(err); }
-
 }  // namespace
+
+std::string errno_text(int err) { return std::system_category().message(err); }
 
 // "host:port", with brackets around an IPv6 literal.
 std::string endpoint(const std::string& host, int port) {
@@ -297,6 +301,8 @@ void raise_fd_limit(int world_size) {
   (void)::setrlimit(RLIMIT_NOFILE, &lim);
 }
 
+}  // namespace
+
 Fd listen_on(const RendezvousOptions& opt, int backlog, const std::string& where) {
   AddrInfoList addrs;
   if (int code = addrs.resolve(opt.host, opt.port); code != 0) {
@@ -323,6 +329,8 @@ Fd listen_on(const RendezvousOptions& opt, int backlog, const std::string& where
   if (last_err == EADDRINUSE) hint = " (another process holds the port)";
   SLIME_FAIL("rank 0 cannot listen on ", where, ": ", errno_text(last_err), hint);
 }
+
+namespace {
 
 // Rank 0: wait until every other rank has connected and introduced itself, then send the blob.
 // One poll() loop over the listener and the connections still owing their hello, so a slow or

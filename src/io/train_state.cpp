@@ -8,18 +8,22 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <set>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -56,6 +60,38 @@ std::string tiling_error(std::string_view name, int64_t numel, const std::vector
   return {};
 }
 
+// j as an integer of type T: a JSON integer inside T's range, or a float
+// that is integral and inside it (a JSON writer may print 1e3 for 1000).
+// Anything else is an Error naming `what`, never an out-of-range cast.
+template <class T>
+T json_integer(const nlohmann::json& j, std::string_view what) {
+  using L = std::numeric_limits<T>;
+  if (j.is_number_unsigned()) {
+    const uint64_t v = j.get<uint64_t>();
+    if (v <= uint64_t(L::max())) return T(v);
+  } else if (j.is_number_integer()) {
+    const int64_t v = j.get<int64_t>();
+    if (v >= int64_t(L::min()) && (v < 0 || uint64_t(v) <= uint64_t(L::max()))) return T(v);
+  } else if (j.is_number_float()) {
+    // Range check in double before the cast (a cast of an out-of-range
+    // double is undefined): T holds [lo, hi) with hi = 2^digits exactly.
+    const double d = j.get<double>();
+    const double hi = std::ldexp(1.0, L::digits), lo = L::is_signed ? -hi : 0.0;
+    if (std::isfinite(d) && d == std::trunc(d) && d >= lo && d < hi) return T(d);
+  } else {
+    SLIME_FAIL(what, " is not a number: ", j.dump().substr(0, 64));
+  }
+  SLIME_FAIL(what, " is ", j.dump().substr(0, 64), ", not an integer in [", L::min(), ", ", L::max(), "]");
+}
+
+template <class T>
+std::vector<T> json_integers(const nlohmann::json& j, std::string_view what) {
+  if (!j.is_array()) SLIME_FAIL(what, " is not an array: ", j.dump().substr(0, 64));
+  std::vector<T> out;
+  for (std::size_t i = 0; i < j.size(); ++i) out.push_back(json_integer<T>(j[i], concat(what, "[", i, "]")));
+  return out;
+}
+
 std::string shape_json_str(const nlohmann::json& dims) {
   std::string s = "(";
   for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + dims[i].dump();
@@ -65,7 +101,8 @@ std::string shape_json_str(const nlohmann::json& dims) {
 // metadata.json from every rank's description of its pieces (the same
 // result, or the same error, on every rank).
 nlohmann::json build_train_state_metadata(int64_t step, const std::vector<nlohmann::json>& ranks,
-                                          const nlohmann::json& user) {
+                                          const nlohmann::json& user, const std::string& run_id,
+                                          const std::string& save_id) {
   using nlohmann::json;
   const int world = int(ranks.size());
   struct Info {
@@ -103,8 +140,15 @@ nlohmann::json build_train_state_metadata(int64_t step, const std::vector<nlohma
     for (const SavedPiece& p : t.pieces) pieces.push_back({p.rank, p.begin, p.end});
     out_tensors[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"pieces", std::move(pieces)}};
   }
-  return {{"format", kTrainStateFormat}, {"version", kTrainStateVersion},     {"step", step},    {"world_size", world},
-          {"files", std::move(files)},   {"tensors", std::move(out_tensors)}, {"metadata", user}};
+  return {{"format", kTrainStateFormat},
+          {"version", kTrainStateVersion},
+          {"step", step},
+          {"world_size", world},
+          {"run_id", run_id},
+          {"save_id", save_id},
+          {"files", std::move(files)},
+          {"tensors", std::move(out_tensors)},
+          {"metadata", user}};
 }
 
 }  // namespace
@@ -122,6 +166,18 @@ std::optional<int64_t> parse_step_name(std::string_view s) {
 }
 
 }  // namespace detail
+
+std::string make_run_id() {
+  std::random_device rd;
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+  return buf;
+}
+
+const std::string& process_run_id() {
+  static const std::string id = make_run_id();
+  return id;
+}
 
 // Steps of the complete checkpoints in `dir` (step_<k> directories holding
 // metadata.json), ascending. Empty when `dir` does not exist.
@@ -233,6 +289,8 @@ void save_train_state_with(comm::Comm& comm, const std::filesystem::path& dir, i
       const fs::path tmp = train_state_step_dir(dir, step).string() + ".tmp-" + detail::make_nonce();
       if (!fs::create_directory(tmp, ec) || ec) SLIME_FAIL("cannot create '", tmp.string(), "': ", ec.message());
       prepared["tmp"] = tmp.string();
+      prepared["run_id"] = options.run_id.empty() ? process_run_id() : options.run_id;
+      prepared["save_id"] = make_run_id();
       event("prepared");
     } catch (const std::exception& e) {
       prepared = error_json(e);
@@ -241,6 +299,8 @@ void save_train_state_with(comm::Comm& comm, const std::filesystem::path& dir, i
   const json from_root = json::parse(ops.all_gather_strings(comm, prepared.dump())[0]);
   if (from_root.contains("error")) SLIME_FAIL(where, ": rank 0 failed: ", from_root["error"].get<std::string>());
   const fs::path tmp = from_root.at("tmp").get<std::string>();
+  const std::string run_id = from_root.at("run_id").get<std::string>();
+  const std::string save_id = from_root.at("save_id").get<std::string>();
   // Rank 0 removes the temporary directory unless the save succeeds.
   std::optional<detail::TempDirGuard> guard;
   if (rank == 0) guard.emplace(tmp);
@@ -273,9 +333,12 @@ void save_train_state_with(comm::Comm& comm, const std::filesystem::path& dir, i
     const fs::path file = tmp / detail::rank_file_name(rank);
     SafetensorsWriter writer(file, std::move(entries),
                              {{"format", std::string(kTrainStateFormat)},
+                              {"version", std::to_string(kTrainStateVersion)},
                               {"rank", std::to_string(rank)},
                               {"world_size", std::to_string(world)},
-                              {"step", std::to_string(step)}});
+                              {"step", std::to_string(step)},
+                              {"run_id", run_id},
+                              {"save_id", save_id}});
     for (const TensorPiece& p : pieces) {
       if (p.end == p.begin) continue;
       ops.write_piece(writer, p.name, p.data.flatten());
@@ -302,7 +365,7 @@ void save_train_state_with(comm::Comm& comm, const std::filesystem::path& dir, i
   // Every rank computes the same metadata (or throws the same error).
   json meta;
   try {
-    meta = detail::build_train_state_metadata(step, ranks, rank == 0 ? metadata : json::object());
+    meta = detail::build_train_state_metadata(step, ranks, rank == 0 ? metadata : json::object(), run_id, save_id);
   } catch (const Error& e) {
     SLIME_FAIL(where, ": ", e.message());
   }
@@ -394,6 +457,21 @@ void TrainStateReader::load_metadata() {
   const fs::path path = dir_ / kTrainStateMetadataFile;
   if (!fs::is_regular_file(path, ec)) fail("'", kTrainStateMetadataFile, "' is missing (incomplete checkpoint)");
   const auto corrupt = [&](const auto&... args) { fail("'", kTrainStateMetadataFile, "' is corrupt: ", args...); };
+  // detail::json_integer(s), their errors as "corrupt".
+  const auto integer = [&]<class T>(std::type_identity<T>, const json& j, std::string_view what) {
+    try {
+      return detail::json_integer<T>(j, what);
+    } catch (const Error& e) {
+      corrupt(e.message());
+    }
+  };
+  const auto integers = [&](const json& j, std::string_view what) {
+    try {
+      return detail::json_integers<int64_t>(j, what);
+    } catch (const Error& e) {
+      corrupt(e.message());
+    }
+  };
   json meta;
   {
     const detail::MappedFile text(path);
@@ -407,21 +485,31 @@ void TrainStateReader::load_metadata() {
   try {
     if (!meta.is_object() || meta.value("format", "") != kTrainStateFormat)
       corrupt("not a ", kTrainStateFormat, " file");
-    if (meta.at("version").get<int>() != kTrainStateVersion)
-      corrupt("version ", meta.at("version").dump(), " (this build reads version ", kTrainStateVersion, ")");
-    if (meta.at("step").get<int64_t>() != step_)
-      corrupt("it records step ", meta.at("step").get<int64_t>(), " in the directory of step ", step_);
-    world_ = meta.at("world_size").get<int>();
+    constexpr std::type_identity<int> as_int;
+    version_ = integer(as_int, meta.at("version"), "\"version\"");
+    if (version_ < kTrainStateOldestVersion || version_ > kTrainStateVersion)
+      corrupt("version ", version_, " (this build reads versions ", kTrainStateOldestVersion, " to ",
+              kTrainStateVersion, ")");
+    const int64_t step = integer(std::type_identity<int64_t>(), meta.at("step"), "\"step\"");
+    if (step != step_) corrupt("it records step ", step, " in the directory of step ", step_);
+    world_ = integer(as_int, meta.at("world_size"), "\"world_size\"");
     if (world_ < 1) corrupt("world_size ", world_);
+    if (version_ >= 2) {
+      run_id_ = meta.at("run_id").get<std::string>();
+      save_id_ = meta.at("save_id").get<std::string>();
+      if (run_id_.empty() || save_id_.empty()) corrupt("empty \"run_id\" or \"save_id\"");
+    }
     metadata_ = meta.at("metadata");
     const json& files = meta.at("files");
     if (!files.is_array() || files.size() != std::size_t(world_))
       corrupt("\"files\" does not list ", world_, " rank files");
     for (int r = 0; r < world_; ++r) {
       const json& f = files[std::size_t(r)];
-      if (f.at("rank").get<int>() != r || f.at("file").get<std::string>() != detail::rank_file_name(r))
-        corrupt("\"files\"[", r, "] is ", f.dump());
-      file_bytes_.push_back(f.at("bytes").get<uint64_t>());
+      const std::string at = detail::concat("\"files\"[", r, "]");
+      if (integer(as_int, f.at("rank"), at + ".rank") != r ||
+          f.at("file").get<std::string>() != detail::rank_file_name(r))
+        corrupt(at, " is ", f.dump());
+      file_bytes_.push_back(integer(std::type_identity<uint64_t>(), f.at("bytes"), at + ".bytes"));
       const fs::path file = dir_ / detail::rank_file_name(r);
       if (!fs::is_regular_file(file, ec))
         fail("rank file '", detail::rank_file_name(r), "' is missing (the checkpoint was saved by ", world_, " ranks)");
@@ -432,13 +520,17 @@ void TrainStateReader::load_metadata() {
       const SafetensorsDType* d = detail::find_safetensors_dtype(t.at("dtype").get<std::string>());
       if (d == nullptr || !d->dtype) corrupt("tensor '", name, "' has dtype ", t.at("dtype").dump());
       e.dtype = *d->dtype;
-      const auto dims = t.at("shape").get<std::vector<int64_t>>();
+      const auto dims = integers(t.at("shape"), detail::concat("tensor '", name, "' shape"));
       if (dims.size() > std::size_t(Shape::kMaxDims) ||
           std::any_of(dims.begin(), dims.end(), [](int64_t x) { return x < 0; }))
         corrupt("tensor '", name, "' has shape ", t.at("shape").dump());
+      int64_t numel = 1;
+      for (int64_t x : dims)
+        if (__builtin_mul_overflow(numel, x, &numel))
+          corrupt("tensor '", name, "' has shape ", t.at("shape").dump(), " (more than 2^63 elements)");
       e.shape = Shape(std::span<const int64_t>(dims));
       for (const json& p : t.at("pieces")) {
-        const auto v = p.get<std::vector<int64_t>>();
+        const auto v = integers(p, detail::concat("tensor '", name, "' piece"));
         if (v.size() != 3 || v[0] < 0 || v[0] >= world_) corrupt("tensor '", name, "' has piece ", p.dump());
         e.pieces.push_back({int(v[0]), v[1], v[2]});
       }
@@ -453,6 +545,32 @@ void TrainStateReader::load_metadata() {
   files_.resize(std::size_t(world_));
 }
 
+void TrainStateReader::check_rank_file_identity(int r, const SafetensorsFile& f) const {
+  const std::string file = detail::rank_file_name(r);
+  const std::map<std::string, std::string>& header = f.metadata();
+  const auto field = [&](const std::string& key) -> std::string {
+    auto it = header.find(key);
+    if (it == header.end())
+      fail("rank file '", file, "' has no \"", key, "\" in its header (not a ", kTrainStateFormat,
+           " rank file of version ", version_, ")");
+    return it->second;
+  };
+  const auto expect = [&](const std::string& key, const std::string& want, std::string_view against,
+                          std::string_view hint) {
+    const std::string got = field(key);
+    if (got != want)
+      fail("rank file '", file, "' records ", key, " ", got, " but ", against, " ", want, " (", hint, ")");
+  };
+  expect("format", std::string(kTrainStateFormat), "a train state rank file has format", "not a rank file");
+  expect("rank", std::to_string(r), "it is the file of rank", "rank files swapped or renamed");
+  expect("world_size", std::to_string(world_), "metadata.json records world_size", "a rank file of another checkpoint");
+  expect("step", std::to_string(step_), "metadata.json records step", "a rank file of another step");
+  if (version_ >= 2) {
+    expect("run_id", run_id_, "metadata.json records run_id", "a rank file of another run");
+    expect("save_id", save_id_, "metadata.json records save_id", "a rank file of another save");
+  }
+}
+
 const SafetensorsFile& TrainStateReader::rank_file(int r) const {
   std::lock_guard lock(*mutex_);
   auto& slot = files_[std::size_t(r)];
@@ -463,15 +581,21 @@ const SafetensorsFile& TrainStateReader::rank_file(int r) const {
   std::error_code ec;
   const uint64_t size = fs::file_size(path, ec);
   if (ec) fail("rank file '", file, "' cannot be read: ", ec.message());
-  if (size != file_bytes_[std::size_t(r)])
+  const auto size_error = [&] {
     fail("rank file '", file, "' is ", size, " bytes but metadata.json records ", file_bytes_[std::size_t(r)],
          " (truncated or replaced)");
+  };
   std::unique_ptr<SafetensorsFile> f;
   try {
     f = std::make_unique<SafetensorsFile>(path);
   } catch (const Error& e) {
+    if (size != file_bytes_[std::size_t(r)]) size_error();
     fail("rank file '", file, "' is corrupt: ", e.message());
   }
+  // Identity before size: a file of another rank, step or run names the
+  // field that differs, whatever its size.
+  check_rank_file_identity(r, *f);
+  if (size != file_bytes_[std::size_t(r)]) size_error();
   std::size_t expected = 0;
   for (const auto& [name, t] : tensors_) {
     for (const detail::SavedPiece& p : t.pieces) {

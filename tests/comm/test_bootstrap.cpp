@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "comm_test_util.hpp"
+
 namespace {
 
 using namespace std::chrono_literals;
@@ -55,28 +57,8 @@ std::string binary_blob(std::size_t size = 128) {
   return blob;
 }
 
-// A port the kernel just handed out, so it is free for the next moments.
-int free_port() {
-  slime::comm::detail::Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  REQUIRE(fd);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  REQUIRE(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
-  socklen_t len = sizeof(addr);
-  REQUIRE(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  return ntohs(addr.sin_port);
-}
-
-ProcessInfo rank_of(int rank, int world_size) {
-  ProcessInfo info;
-  info.rank = rank;
-  info.world_size = world_size;
-  info.local_rank = rank;
-  info.local_world_size = world_size;
-  return info;
-}
+using slime::comm::test::free_port;
+using slime::comm::test::rank_of;
 
 RendezvousOptions tcp_options(int port, std::chrono::milliseconds timeout = 5s) {
   RendezvousOptions opt;

@@ -16,6 +16,20 @@
 
 using namespace slime::data;
 
+// Sanitizer builds (the asan preset: -O1, instrumented) run many times slower:
+// there the time is printed, not asserted.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAssertTime = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAssertTime = false;
+#else
+constexpr bool kAssertTime = true;
+#endif
+#else
+constexpr bool kAssertTime = true;
+#endif
+
 TEST_CASE("plan packs 100k RL rollout samples well within the time budget") {
   const testing::RolloutBatch batch = testing::rollout_lengths(100000, 2024);
   PackConfig c;
@@ -37,7 +51,7 @@ TEST_CASE("plan packs 100k RL rollout samples well within the time budget") {
       best_ms, p.steps[0].micro_batches_per_rank, 100.0 * p.stats.padding_fraction,
       100.0 * p.stats.pad_to_longest_fraction, (long long)p.stats.lpt_fallbacks,
       (long long)p.stats.first_fit_fallbacks);
-  CHECK(best_ms < 1000.0);
+  if (kAssertTime) CHECK(best_ms < 1000.0);
   CHECK(p.stats.padding_fraction <= 0.01);
   CHECK(p.stats.max_micro_batch_tokens <= c.max_tokens_per_gpu);
   CHECK(p.stats.samples == 100000);

@@ -127,7 +127,9 @@ std::string check_load(const TrainStateReader& reader, const std::vector<Tensor>
       const auto* got = static_cast<const unsigned char*>(shard.data_ptr());
       const auto* want = static_cast<const unsigned char*>(full[i].data_ptr()) + std::size_t(r.begin) * es;
       const std::string where = s.name + " rank " + std::to_string(rank) + "/" + std::to_string(world);
-      if (std::memcmp(got, want, std::size_t(r.end - r.begin) * es) != 0) return where + ": values differ";
+      // memcmp of an empty range: its pointers may be null (undefined behaviour).
+      const std::size_t n = std::size_t(r.end - r.begin) * es;
+      if (n > 0 && std::memcmp(got, want, n) != 0) return where + ": values differ";
       for (std::size_t b = std::size_t(r.end - r.begin) * es; b < shard.nbytes(); ++b)
         if (got[b] != 0xa5) return where + ": the read wrote past its range";
     }
@@ -236,7 +238,8 @@ TEST_CASE("train state saved by 3 ranks loads into 4 ranks, each with its own re
       const Range range = dim0_range(s.shape, 4, c.rank());
       const Tensor t = reader.read_range(s.name, range.begin, range.end);
       const std::size_t es = dtype_size(s.dtype);
-      if (std::memcmp(t.data_ptr(), static_cast<const char*>(full[i].data_ptr()) + std::size_t(range.begin) * es,
+      if (t.nbytes() > 0 &&
+          std::memcmp(t.data_ptr(), static_cast<const char*>(full[i].data_ptr()) + std::size_t(range.begin) * es,
                       t.nbytes()) != 0)
         r = s.name + " differs";
     }
@@ -323,6 +326,35 @@ TEST_CASE("damaged train state checkpoints fail clearly", "[io][train_state]") {
     const TrainStateReader reader(dir.path, 1);
     expect_error([&] { (void)reader.read_range("mask", 0, 45); }, {"rank_0.safetensors"});
   }
+  SECTION("metadata.json with numbers outside an integer's range") {
+    TempDir dir;
+    const fs::path step = fresh(dir);
+    const nlohmann::json good = nlohmann::json::parse(read_file(step / "metadata.json"));
+    const auto with = [&](const nlohmann::json::json_pointer& at, const nlohmann::json& v) {
+      nlohmann::json meta = good;
+      meta[at] = v;
+      write_file(step / "metadata.json", meta.dump());
+    };
+    using P = nlohmann::json::json_pointer;
+    with(P("/world_size"), 1e300);
+    expect_error([&] { TrainStateReader(dir.path, 1); }, {"metadata.json' is corrupt", "\"world_size\"", "1e+300"});
+    with(P("/version"), -1e19);
+    expect_error([&] { TrainStateReader(dir.path, 1); }, {"corrupt", "\"version\""});
+    with(P("/step"), 9.3e18);
+    expect_error([&] { TrainStateReader(dir.path, 1); }, {"corrupt", "\"step\""});
+    with(P("/step"), 1.5);
+    expect_error([&] { TrainStateReader(dir.path, 1); }, {"corrupt", "\"step\"", "not an integer"});
+    with(P("/files/1/bytes"), -1);
+    expect_error([&] { TrainStateReader(dir.path, 1); }, {"corrupt", "\"files\"[1].bytes"});
+    with(P("/tensors/mask/shape/0"), 1e30);
+    expect_error([&] { TrainStateReader(dir.path, 1); }, {"corrupt", "'mask' shape[0]"});
+    with(P("/tensors/mask/shape"), nlohmann::json::array({int64_t(1) << 40, int64_t(1) << 40}));
+    expect_error([&] { TrainStateReader(dir.path, 1); }, {"corrupt", "'mask'", "2^63"});
+    with(P("/tensors/mask/pieces/0/2"), 1e300);
+    expect_error([&] { TrainStateReader(dir.path, 1); }, {"corrupt", "'mask' piece[2]"});
+    with(P("/world_size"), 2.0);  // an integral float is the integer
+    CHECK(TrainStateReader(dir.path, 1).world_size() == 2);
+  }
   SECTION("corrupt metadata.json") {
     TempDir dir;
     const fs::path step = fresh(dir);
@@ -354,6 +386,101 @@ TEST_CASE("damaged train state checkpoints fail clearly", "[io][train_state]") {
     write_file(dir / "latest", "garbage\n");
     expect_error([&] { (void)latest_step(dir.path); }, {"latest", "corrupt", "garbage"});
     expect_error([&] { (void)TrainStateReader::open_latest(dir.path); }, {"corrupt"});
+  }
+}
+
+// Rank files that are whole, valid safetensors files of the right format, but
+// not this checkpoint's file of this rank: the identity in their headers
+// (rank, world size, step, run id, save id) must fail the read, naming the
+// file and the field, whatever their size.
+TEST_CASE("train state rank files of another rank, step or run fail clearly", "[io][train_state]") {
+  const auto full = full_state(6);
+  const auto save = [&](const fs::path& dir, int64_t step, const std::string& run_id) {
+    TrainStateSaveOptions options;
+    options.run_id = run_id;
+    save_state(dir, step, 2, full, options);
+    return train_state_step_dir(dir, step);
+  };
+  const auto read_all = [&](const fs::path& dir, int64_t step) {
+    const TrainStateReader reader(dir, step);
+    for (const Spec& s : specs()) (void)reader.read_range(s.name, 0, s.shape.numel());
+  };
+
+  SECTION("the ids are recorded in metadata.json and every rank file") {
+    TempDir dir;
+    const fs::path step = save(dir.path, 4, "run-a");
+    const TrainStateReader reader(dir.path, 4);
+    CHECK(reader.version() == kTrainStateVersion);
+    CHECK(reader.run_id() == "run-a");
+    CHECK(reader.save_id().size() == 32);
+    for (int r = 0; r < 2; ++r) {
+      const SafetensorsFile f(step / ("rank_" + std::to_string(r) + ".safetensors"));
+      CHECK(f.metadata().at("rank") == std::to_string(r));
+      CHECK(f.metadata().at("world_size") == "2");
+      CHECK(f.metadata().at("step") == "4");
+      CHECK(f.metadata().at("run_id") == "run-a");
+      CHECK(f.metadata().at("save_id") == reader.save_id());
+    }
+    // Re-saving the step makes a new save id; an empty run id is this process's.
+    save(dir.path, 4, "");
+    const TrainStateReader again(dir.path, 4);
+    CHECK(again.save_id() != reader.save_id());
+    CHECK(again.run_id() == process_run_id());
+    CHECK(make_run_id() != make_run_id());
+    CHECK(check_whole(dir.path, 4, full) == "");
+  }
+  SECTION("swapped rank files") {
+    TempDir dir;
+    const fs::path step = save(dir.path, 3, "run-a");
+    fs::rename(step / "rank_0.safetensors", step / "tmp");
+    fs::rename(step / "rank_1.safetensors", step / "rank_0.safetensors");
+    fs::rename(step / "tmp", step / "rank_1.safetensors");
+    expect_error([&] { read_all(dir.path, 3); },
+                 {"step_3", "rank file 'rank_0.safetensors' records rank 1", "file of rank 0", "swapped"});
+  }
+  SECTION("a rank file from another step of the same run") {
+    TempDir dir;
+    const fs::path step3 = save(dir.path, 3, "run-a");
+    const fs::path step5 = save(dir.path, 5, "run-a");  // same tensors, same sizes
+    fs::copy_file(step3 / "rank_1.safetensors", step5 / "rank_1.safetensors", fs::copy_options::overwrite_existing);
+    expect_error([&] { read_all(dir.path, 5); }, {"step_5", "rank file 'rank_1.safetensors' records step 3",
+                                                  "metadata.json records step 5", "another step"});
+  }
+  SECTION("a rank file from another run at the same step") {
+    TempDir dir, other;
+    const fs::path mine = save(dir.path, 3, "run-a");
+    const fs::path theirs = save(other.path, 3, "run-b");
+    fs::copy_file(theirs / "rank_0.safetensors", mine / "rank_0.safetensors", fs::copy_options::overwrite_existing);
+    expect_error([&] { read_all(dir.path, 3); }, {"rank file 'rank_0.safetensors' records run_id run-b",
+                                                  "metadata.json records run_id run-a", "another run"});
+  }
+  SECTION("a rank file from an earlier save of the same step and run") {
+    TempDir dir, copy;
+    const fs::path step = save(dir.path, 3, "run-a");
+    fs::copy_file(step / "rank_1.safetensors", copy / "rank_1.safetensors");
+    save(dir.path, 3, "run-a");
+    fs::copy_file(copy / "rank_1.safetensors", step / "rank_1.safetensors", fs::copy_options::overwrite_existing);
+    expect_error([&] { read_all(dir.path, 3); }, {"rank file 'rank_1.safetensors' records save_id", "another save"});
+  }
+  SECTION("a version 1 checkpoint (no ids) still loads; its rank files are still checked") {
+    TempDir dir;
+    const fs::path step = save(dir.path, 2, "run-a");
+    nlohmann::json meta = nlohmann::json::parse(read_file(step / "metadata.json"));
+    meta["version"] = 1;
+    meta.erase("run_id");
+    meta.erase("save_id");
+    write_file(step / "metadata.json", meta.dump());
+    const TrainStateReader reader(dir.path, 2);
+    CHECK(reader.version() == 1);
+    CHECK(reader.run_id().empty());
+    CHECK(check_whole(dir.path, 2, full) == "");
+    fs::rename(step / "rank_0.safetensors", step / "tmp");
+    fs::rename(step / "rank_1.safetensors", step / "rank_0.safetensors");
+    fs::rename(step / "tmp", step / "rank_1.safetensors");
+    expect_error([&] { read_all(dir.path, 2); }, {"rank_0.safetensors' records rank 1"});
+    meta["version"] = 3;
+    write_file(step / "metadata.json", meta.dump());
+    expect_error([&] { TrainStateReader(dir.path, 2); }, {"version 3", "reads versions 1 to 2"});
   }
 }
 

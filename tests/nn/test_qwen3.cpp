@@ -319,3 +319,29 @@ TEST_CASE("load_hf names missing, unexpected and misshaped tensors", "[nn][check
                                                  ContainsSubstring("model.layers.0.mlp.experts.0.gate_proj.weight"));
   }
 }
+
+// The batch's host cu_seqlens are checked before anything runs (on a GPU a
+// broken one traps in the attention kernel and kills the CUDA context): each
+// bad batch is a slime::Error, and the model still runs a good one after it.
+TEST_CASE("Qwen3Model::forward refuses a batch with broken cu_seqlens before any launch", "[nn]") {
+  nn::Qwen3Model model = tiny_model();
+  const auto with_cu = [](std::vector<int32_t> cu, int max_seqlen = 8) {
+    nn::PackedBatch b = nn::make_packed_batch({{1, 2, 3}, {4, 5, 6, 7}});
+    b.cu_seqlens_host = std::move(cu);
+    b.cu_seqlens = Tensor::from_vector(b.cu_seqlens_host, {int64_t(b.cu_seqlens_host.size())});
+    b.max_seqlen = max_seqlen;
+    return b;
+  };
+  const auto forward = [&](const nn::PackedBatch& b) {
+    nn::Qwen3Model::Context c;
+    (void)model.forward(b, c);
+  };
+  CHECK_THROWS_WITH(forward(with_cu({1, 3, 7})), ContainsSubstring("cu_seqlens[0] must be 0, got 1"));
+  CHECK_THROWS_WITH(forward(with_cu({0, 5, 3, 7})), ContainsSubstring("must be non-decreasing"));
+  CHECK_THROWS_WITH(forward(with_cu({0, 3, 6})), ContainsSubstring("batch.tokens must be [6]"));
+  CHECK_THROWS_WITH(forward(with_cu({0, 3, 7}, 3)), ContainsSubstring("max_seqlen = 3 is shorter"));
+  nn::PackedBatch wrong_length = with_cu({0, 3, 7});
+  wrong_length.cu_seqlens = Tensor::from_vector(std::vector<int32_t>{0, 7}, {2});
+  CHECK_THROWS_WITH(forward(wrong_length), ContainsSubstring("batch.cu_seqlens"));
+  CHECK_NOTHROW(forward(with_cu({0, 3, 7})));
+}

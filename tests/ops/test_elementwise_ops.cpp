@@ -72,7 +72,7 @@ Tensor filled(const Shape& shape, uint64_t seed, float stddev = 1.f) {
 
 template <class T>
 bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+  return a.nbytes() == b.nbytes() && (a.nbytes() == 0 || std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0);
 }
 
 }  // namespace

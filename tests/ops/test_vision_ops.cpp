@@ -83,12 +83,13 @@ std::vector<double> to_double(const Tensor& t) {
 }
 
 bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+  return a.nbytes() == b.nbytes() && (a.nbytes() == 0 || std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0);
 }
 
 template <class T>
 bool same_bits(const Tensor& a, const std::vector<T>& b) {
-  return a.nbytes() == b.size() * sizeof(T) && std::memcmp(a.data_ptr(), b.data(), a.nbytes()) == 0;
+  return a.nbytes() == b.size() * sizeof(T) &&
+         (a.nbytes() == 0 || std::memcmp(a.data_ptr(), b.data(), a.nbytes()) == 0);
 }
 
 // LayerNorm in double, written out: y [rows, dim], mean [rows], rstd [rows].

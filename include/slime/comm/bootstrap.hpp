@@ -90,6 +90,19 @@ IoResult send_all(int fd, const void* data, std::size_t size, Clock::time_point 
 // Receives exactly `size` bytes on a non-blocking socket, across partial reads and EINTR.
 IoResult recv_all(int fd, void* data, std::size_t size, Clock::time_point deadline);
 
+// The process environment (GetenvFn of the non-test paths).
+std::optional<std::string> system_getenv(const char* name);
+
+// A positive number of seconds, fractions allowed ("0.5"), from environment variable `name`;
+// throws naming the variable otherwise.
+std::chrono::milliseconds parse_env_seconds(const char* name, const std::string& value);
+
+// strerror, thread-safe.
+std::string errno_text(int err);
+
+// A non-blocking listening socket on opt.host:opt.port (SO_REUSEADDR); throws naming `where`.
+Fd listen_on(const RendezvousOptions& opt, int backlog, const std::string& where);
+
 // Connects to rank 0, retrying with a short backoff: "connection refused" is normal while rank 0
 // is still starting.
 Fd connect_with_retry(const RendezvousOptions& opt, int rank, Clock::time_point deadline, const std::string& where);

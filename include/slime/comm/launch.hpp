@@ -14,7 +14,10 @@
 //
 // Each rank's device is comm.device(); the CUDA modes also make it the
 // thread's current device (DeviceGuard). A rank that throws stops the others
-// (their collectives fail) and run_ranks rethrows the first failure.
+// (their collectives fail) and run_ranks rethrows the first failure. In a
+// launcher's job (processes) a PeerWatchdog does this across processes: a
+// rank that fails or dies aborts the others' communicators, and they throw a
+// slime::Error naming it (SLIME_WATCHDOG_TIMEOUT_S, MASTER_PORT+2).
 #pragma once
 
 #include <cstdint>
@@ -28,6 +31,7 @@
 #include "slime/comm/comm.hpp"
 #include "slime/comm/local_comm.hpp"
 #include "slime/comm/nccl_comm.hpp"
+#include "slime/comm/watchdog.hpp"
 #include "slime/core/device.hpp"
 #include "slime/core/error.hpp"
 
@@ -136,7 +140,17 @@ void start_ranks(const Launch& l, F&& fn) {
     case LaunchMode::processes: {
       const std::unique_ptr<NcclComm> comm = NcclComm::from_env();
       const DeviceGuard guard(comm->device());
-      fn(static_cast<Comm&>(*comm));
+      // A peer process that dies aborts this rank's communicator (its
+      // collectives fail) instead of leaving it in NCCL until a timeout; the
+      // error then names the lost rank (slime/comm/watchdog.hpp).
+      PeerWatchdog watchdog(l.process, watchdog_options(l.process), [c = comm.get()] { c->abort(); });
+      try {
+        fn(static_cast<Comm&>(*comm));
+      } catch (...) {
+        watchdog.check();  // a lost peer: its error, not the aborted communicator's
+        watchdog.report_failure();
+        throw;
+      }
       return;
     }
   }

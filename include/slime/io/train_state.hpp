@@ -5,10 +5,13 @@
 //
 // Layout of a checkpoint directory `dir`:
 //   dir/step_<k>/rank_<r>.safetensors   the pieces rank r held, one 1-D tensor
-//                                       per piece, named by its tensor
-//   dir/step_<k>/metadata.json          world size, every tensor's dtype, full
-//                                       shape and pieces (rank, [begin, end)),
-//                                       each rank file's size, caller metadata
+//                                       per piece, named by its tensor; its
+//                                       header records rank, world size, step,
+//                                       run id and save id
+//   dir/step_<k>/metadata.json          world size, run id, save id, every
+//                                       tensor's dtype, full shape and pieces
+//                                       (rank, [begin, end)), each rank file's
+//                                       size, caller metadata
 //   dir/latest                          "step_<k>": the newest complete step
 //
 // A piece is a flat element range [begin, end) of the row-major, unpadded
@@ -27,6 +30,18 @@
 // step_<k> namespace before its files are removed.
 //
 // One process (or one group of ranks) saves into a directory at a time.
+//
+// Identity: a run id (random, chosen when a run starts and passed on by the
+// trainer across resumes: TrainStateSaveOptions::run_id, read back with
+// TrainStateReader::run_id) and a save id (random, new for every save) are
+// written into metadata.json and into every rank file's header beside its
+// rank, world size and step. The reader checks each rank file's header
+// against metadata.json and the slot it is read as (rank_<r>.safetensors must
+// say rank r), so a rank file swapped with another rank's, or copied from
+// another step, another save or another run, is an error naming the file and
+// the field instead of a silent resume with the wrong state. Version 1
+// checkpoints (no run or save id) are still read; their rank, world size and
+// step are checked.
 //
 // Compiled once in src/io/train_state.cpp (slime::core). The steps that
 // allocate or copy tensors (gathering the ranks' strings, writing a piece's
@@ -64,7 +79,11 @@
 namespace slime::io {
 
 inline constexpr std::string_view kTrainStateFormat = "slime.train_state";
-inline constexpr int kTrainStateVersion = 1;
+// Version 2 added the run id and save id (metadata.json and rank file
+// headers). The reader accepts versions kTrainStateOldestVersion ..
+// kTrainStateVersion.
+inline constexpr int kTrainStateVersion = 2;
+inline constexpr int kTrainStateOldestVersion = 1;
 inline constexpr std::string_view kTrainStateMetadataFile = "metadata.json";
 inline constexpr std::string_view kTrainStateLatestFile = "latest";
 
@@ -91,7 +110,18 @@ struct TrainStateSaveOptions {
   // "metadata_written", "published", "latest_updated", "pruned". For tests
   // (crash injection) and progress reporting.
   std::function<void(std::string_view event)> on_event;
+  // The run this state belongs to (taken from rank 0). Empty: this process's
+  // run id (process_run_id()). A trainer that resumes passes the loaded
+  // checkpoint's TrainStateReader::run_id() so that one run keeps one id.
+  std::string run_id;
 };
+
+// A new random run id: 32 hex digits.
+std::string make_run_id();
+
+// This process's run id: make_run_id() chosen on the first call, the same
+// afterwards.
+const std::string& process_run_id();
 
 // dir/step_<step>.
 inline std::filesystem::path train_state_step_dir(const std::filesystem::path& dir, int64_t step) {
@@ -203,6 +233,12 @@ class TrainStateReader {
   int world_size() const { return world_; }
   // The JSON object rank 0 passed to save_train_state.
   const nlohmann::json& metadata() const { return metadata_; }
+  // The format version of metadata.json (kTrainStateOldestVersion ..
+  // kTrainStateVersion).
+  int version() const { return version_; }
+  // The run and save ids (empty for a version 1 checkpoint).
+  const std::string& run_id() const { return run_id_; }
+  const std::string& save_id() const { return save_id_; }
 
   std::vector<std::string> names() const;
   bool contains(std::string_view name) const { return tensors_.find(name) != tensors_.end(); }
@@ -267,10 +303,15 @@ class TrainStateReader {
 
   // Rank r's file, mapped on first use and checked against metadata.json.
   const SafetensorsFile& rank_file(int r) const;
+  // The header's identity (rank, world size, step, run and save id) against
+  // metadata.json and the slot r.
+  void check_rank_file_identity(int r, const SafetensorsFile& f) const;
 
   std::filesystem::path dir_;
   int64_t step_ = 0;
   int world_ = 0;
+  int version_ = 0;
+  std::string run_id_, save_id_;
   nlohmann::json metadata_;
   std::vector<uint64_t> file_bytes_;
   std::map<std::string, Entry, std::less<>> tensors_;

@@ -59,6 +59,7 @@
 #include "slime/nn/token_dispatcher.hpp"
 #include "slime/nn/units.hpp"
 #include "slime/ops/elementwise.hpp"
+#include "slime/ops/host_checks.hpp"
 #include "slime/ops/index_rows.hpp"
 #include "slime/ops/linear.hpp"
 #include "slime/ops/router.hpp"
@@ -489,6 +490,11 @@ class Qwen3Model {
     SLIME_CHECK(b.num_tokens() > 0 && b.tokens.dim() == 1 && b.tokens.numel() == b.num_tokens(),
                 "Qwen3Model::forward: batch.tokens must be [", b.num_tokens(), "] (cu_seqlens_host.back()), got ",
                 b.tokens.str());
+    // The host copy of cu_seqlens, checked before any launch: on a GPU a
+    // broken one traps in the attention kernel and takes the context with it.
+    const int64_t longest = ops::check_cu_seqlens(b.cu_seqlens_host, b.tokens.numel(), "Qwen3Model::forward: batch");
+    SLIME_CHECK(b.max_seqlen >= longest, "Qwen3Model::forward: batch.max_seqlen = ", b.max_seqlen,
+                " is shorter than the longest sequence in cu_seqlens_host (", longest, ")");
     if (config_.uses_mrope()) {
       check_shape(b.positions, Shape{b.num_tokens(), 3},
                   "Qwen3Model::forward: batch.positions (MRoPE: (t, h, w) per token, nn::mrope_positions)");

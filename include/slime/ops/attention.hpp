@@ -58,6 +58,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -65,6 +66,7 @@
 #include "slime/core/tensor.hpp"
 #include "slime/ops/cpu/attention.hpp"
 #include "slime/ops/cuda/attention.hpp"
+#include "slime/ops/host_checks.hpp"
 
 namespace slime::ops {
 
@@ -147,11 +149,7 @@ inline AttentionDims check_attention_inputs(const Tensor& q, const Tensor& k, co
 
 // Full validation of host cu_seqlens values.
 inline void check_cu_seqlens_values(const int32_t* cu, int64_t num_seqs, int64_t tokens, std::string_view name) {
-  SLIME_CHECK(cu[0] == 0, name, "[0] must be 0, got ", cu[0]);
-  for (int64_t b = 0; b < num_seqs; ++b)
-    SLIME_CHECK(cu[b + 1] >= cu[b], name, " must be non-decreasing: ", name, "[", b + 1, "] = ", cu[b + 1], " < ", name,
-                "[", b, "] = ", cu[b]);
-  SLIME_CHECK(cu[num_seqs] == tokens, name, " must end at the token count ", tokens, ", got ", cu[num_seqs]);
+  (void)check_cu_seqlens(std::span<const int32_t>(cu, std::size_t(num_seqs + 1)), tokens, "attention", num_seqs, name);
 }
 
 // The max_seqlen to use: `given` (checked where cu_seqlens is on the host) or,

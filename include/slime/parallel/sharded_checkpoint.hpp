@@ -203,7 +203,7 @@ void save_sharded_state(S& sh, comm::Comm& world, const std::filesystem::path& d
 // Loads the newest checkpoint of `dir` (the step `dir/latest` names) into
 // sh, whatever the rank count, strategy and expert-parallel degree that saved
 // it; returns its metadata (the caller's JSON with "adamw_steps") with "step"
-// set to its step. Local: each rank reads its own ranges (no communication).
+// set to its step and "run_id" to its run id. Local: each rank reads its own ranges (no communication).
 // Throws, before changing anything, when there is no checkpoint or it is not
 // one of this model (a parameter missing, a shape or dtype that differs, a
 // tensor this model does not have). A read that fails after those checks (an
@@ -264,6 +264,9 @@ nlohmann::json load_sharded_state(S& sh, const std::filesystem::path& dir) {
   synchronize_device(device);
   nlohmann::json out = meta;
   out["step"] = reader.step();
+  // The run id to pass on to the next saves (TrainStateSaveOptions::run_id):
+  // one run keeps one id across resumes. Empty for a version 1 checkpoint.
+  out["run_id"] = reader.run_id();
   return out;
 }
 
