@@ -3,6 +3,8 @@
 // that allocate or copy them arrive as TrainStateSaveOps or stay inline in the header.
 #include "slime/io/train_state.hpp"
 
+#include "slime/core/json.hpp"
+
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -399,9 +401,9 @@ void TrainStateReader::load_metadata() {
     const detail::MappedFile text(path);
     const char* p = reinterpret_cast<const char*>(text.data());
     try {
-      meta = json::parse(p, p + text.size());
-    } catch (const json::exception& e) {
-      corrupt("not valid JSON: ", e.what());
+      meta = parse_json(std::string_view(p, text.size()), "the file");
+    } catch (const Error& e) {
+      corrupt(e.message());
     }
   }
   try {
