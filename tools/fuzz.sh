@@ -5,7 +5,7 @@
 # Fails on any finding: a crash, a sanitizer report, a leak, a timeout, or an exception other
 # than slime::Error. Findings are written to build/fuzz/findings/<harness>-*; inputs the fuzzer
 # finds interesting go to build/fuzz/corpus/<harness>/, never into the repository.
-#   tools/fuzz.sh [SECONDS]        SLIME_FUZZ_JOBS (default 2): build parallelism
+#   tools/fuzz.sh [SECONDS]        SLIME_FUZZ_JOBS (default 2): build and fuzzing parallelism
 #   SLIME_FUZZ_HARNESSES="config jsonl": a subset
 set -euo pipefail
 seconds=${1:-60}
@@ -24,21 +24,48 @@ cmake --build "$build" -j "${SLIME_FUZZ_JOBS:-2}" --target "${harnesses[@]/#/fuz
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 mkdir -p "$build/findings"
-for h in "${harnesses[@]}"; do
-  bin=$build/tests/fuzz/fuzz_$h
-  seeds=$root/tests/fuzz/corpus/$h
-  work=$build/corpus/$h
+# One harness: replay its seeds (files as arguments run each exactly once), then fuzz.
+fuzz_one() {
+  local h=$1 bin=$build/tests/fuzz/fuzz_$1 seeds=$root/tests/fuzz/corpus/$1 work=$build/corpus/$1
   mkdir -p "$work"
-  # Replay: every seed once (files as arguments run each exactly once).
-  "$bin" -artifact_prefix="$build/findings/$h-" "$seeds"/* >"$build/findings/$h-replay.log" 2>&1 ||
-    { cat "$build/findings/$h-replay.log"; echo "tools/fuzz.sh: $h: a seed input fails" >&2; exit 1; }
-  if ((seconds > 0)); then
-    "$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=16384 -print_final_stats=1 \
-      -artifact_prefix="$build/findings/$h-" "$work" "$seeds" >"$build/findings/$h.log" 2>&1 ||
-      { tail -60 "$build/findings/$h.log"; echo "tools/fuzz.sh: $h: finding (see $build/findings/)" >&2; exit 1; }
-    echo "fuzz_$h: $(grep -m1 'stat::number_of_executed_units' "$build/findings/$h.log" | awk '{print $2}') executions" \
-      "in ${seconds} s, no finding"
-  else
-    echo "fuzz_$h: $(ls "$seeds" | wc -l) seeds replayed, no finding"
+  if ! "$bin" -artifact_prefix="$build/findings/$h-" "$seeds"/* >"$build/findings/$h-replay.log" 2>&1; then
+    tail -40 "$build/findings/$h-replay.log"
+    echo "tools/fuzz.sh: $h: a seed input fails (see $build/findings/)" >&2
+    return 1
   fi
+  if ((seconds == 0)); then
+    echo "fuzz_$h: $(ls "$seeds" | wc -l) seeds replayed, no finding"
+    return 0
+  fi
+  if ! "$bin" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 -max_len=16384 -print_final_stats=1 \
+    -artifact_prefix="$build/findings/$h-" "$work" "$seeds" >"$build/findings/$h.log" 2>&1; then
+    tail -60 "$build/findings/$h.log"
+    echo "tools/fuzz.sh: $h: finding (see $build/findings/)" >&2
+    return 1
+  fi
+  echo "fuzz_$h: $(grep -m1 'stat::number_of_executed_units' "$build/findings/$h.log" | awk '{print $2}')" \
+    "executions in $seconds s, no finding"
+}
+
+# SLIME_FUZZ_JOBS harnesses at a time (default 2: the 2-core CI machine); 5 harnesses of 60 s
+# take about 3 minutes after the build.
+jobs=${SLIME_FUZZ_JOBS:-2}
+failed=0
+running=0
+for h in "${harnesses[@]}"; do
+  if ((running >= jobs)); then
+    wait -n || failed=1
+    running=$((running - 1))
+  fi
+  fuzz_one "$h" &
+  running=$((running + 1))
 done
+while ((running > 0)); do
+  wait -n || failed=1
+  running=$((running - 1))
+done
+if ((failed)); then
+  echo "tools/fuzz.sh: FAILED" >&2
+  exit 1
+fi
+echo "tools/fuzz.sh: ${#harnesses[@]} harnesses, no finding"
