@@ -2,6 +2,7 @@
 // TrainStateReader, then the user metadata it holds (a copy, and a DataPosition read from it).
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "fuzz_util.hpp"
 #include "slime/core/error.hpp"
@@ -11,7 +12,13 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   const auto dir = slime::fuzz::work_dir() / "checkpoints";
   const auto step = slime::io::train_state_step_dir(dir, 1);
-  static const bool made = std::filesystem::create_directories(step);
+  // Rank files 0..3 exist (empty), so that metadata naming up to 4 ranks reaches the tensor list.
+  static const bool made = [&] {
+    std::filesystem::create_directories(step);
+    for (int r = 0; r < 4; ++r)
+      slime::fuzz::write_input(step / ("rank_" + std::to_string(r) + ".safetensors"), nullptr, 0);
+    return true;
+  }();
   (void)made;
   slime::fuzz::write_input(step / slime::io::kTrainStateMetadataFile, data, size);
   try {
