@@ -406,14 +406,29 @@ void TrainStateReader::load_metadata() {
       corrupt(e.message());
     }
   }
+  // Integers range-checked (nlohmann's get<int>() of 1e40 is undefined behaviour, of 2^32 + 1 is 1).
+  const auto integer = [&](const json& v, const char* field) -> int64_t {
+    try {
+      return json_integer<int64_t>(v, field, "the file");
+    } catch (const Error& e) {
+      corrupt(e.message());
+    }
+  };
+  const auto int32 = [&](const json& v, const char* field) -> int {
+    try {
+      return json_integer<int>(v, field, "the file");
+    } catch (const Error& e) {
+      corrupt(e.message());
+    }
+  };
   try {
     if (!meta.is_object() || meta.value("format", "") != kTrainStateFormat)
       corrupt("not a ", kTrainStateFormat, " file");
-    if (meta.at("version").get<int>() != kTrainStateVersion)
+    if (int32(meta.at("version"), "version") != kTrainStateVersion)
       corrupt("version ", meta.at("version").dump(), " (this build reads version ", kTrainStateVersion, ")");
-    if (meta.at("step").get<int64_t>() != step_)
+    if (integer(meta.at("step"), "step") != step_)
       corrupt("it records step ", meta.at("step").get<int64_t>(), " in the directory of step ", step_);
-    world_ = meta.at("world_size").get<int>();
+    world_ = int32(meta.at("world_size"), "world_size");
     if (world_ < 1) corrupt("world_size ", world_);
     metadata_ = meta.at("metadata");
     const json& files = meta.at("files");
@@ -421,9 +436,11 @@ void TrainStateReader::load_metadata() {
       corrupt("\"files\" does not list ", world_, " rank files");
     for (int r = 0; r < world_; ++r) {
       const json& f = files[std::size_t(r)];
-      if (f.at("rank").get<int>() != r || f.at("file").get<std::string>() != detail::rank_file_name(r))
+      if (int32(f.at("rank"), "rank") != r || f.at("file").get<std::string>() != detail::rank_file_name(r))
         corrupt("\"files\"[", r, "] is ", f.dump());
-      file_bytes_.push_back(f.at("bytes").get<uint64_t>());
+      const int64_t bytes = integer(f.at("bytes"), "bytes");
+      if (bytes < 0) corrupt("\"files\"[", r, "] has bytes ", bytes);
+      file_bytes_.push_back(uint64_t(bytes));
       const fs::path file = dir_ / detail::rank_file_name(r);
       if (!fs::is_regular_file(file, ec))
         fail("rank file '", detail::rank_file_name(r), "' is missing (the checkpoint was saved by ", world_, " ranks)");
@@ -434,19 +451,29 @@ void TrainStateReader::load_metadata() {
       const SafetensorsDType* d = detail::find_safetensors_dtype(t.at("dtype").get<std::string>());
       if (d == nullptr || !d->dtype) corrupt("tensor '", name, "' has dtype ", t.at("dtype").dump());
       e.dtype = *d->dtype;
-      const auto dims = t.at("shape").get<std::vector<int64_t>>();
+      if (!t.at("shape").is_array()) corrupt("tensor '", name, "' has shape ", t.at("shape").dump());
+      std::vector<int64_t> dims;
+      for (const json& x : t.at("shape")) dims.push_back(integer(x, "shape"));
       if (dims.size() > std::size_t(Shape::kMaxDims) ||
           std::any_of(dims.begin(), dims.end(), [](int64_t x) { return x < 0; }))
         corrupt("tensor '", name, "' has shape ", t.at("shape").dump());
       e.shape = Shape(std::span<const int64_t>(dims));
       for (const json& p : t.at("pieces")) {
-        const auto v = p.get<std::vector<int64_t>>();
+        if (!p.is_array()) corrupt("tensor '", name, "' has piece ", p.dump());
+        std::vector<int64_t> v;
+        for (const json& x : p) v.push_back(integer(x, "piece"));
         if (v.size() != 3 || v[0] < 0 || v[0] >= world_) corrupt("tensor '", name, "' has piece ", p.dump());
         e.pieces.push_back({int(v[0]), v[1], v[2]});
       }
       std::sort(e.pieces.begin(), e.pieces.end(),
                 [](const detail::SavedPiece& a, const detail::SavedPiece& b) { return a.begin < b.begin; });
-      if (std::string err = detail::tiling_error(name, e.shape.numel(), e.pieces); !err.empty()) corrupt(err);
+      int64_t numel = 0;
+      try {
+        numel = e.shape.numel();
+      } catch (const Error& x) {
+        corrupt("tensor '", name, "': ", x.message());
+      }
+      if (std::string err = detail::tiling_error(name, numel, e.pieces); !err.empty()) corrupt(err);
       tensors_.emplace(name, std::move(e));
     }
   } catch (const json::exception& e) {

@@ -135,6 +135,18 @@ TEST_CASE("deeply nested checkpoint metadata is an error naming the checkpoint",
                     ContainsSubstring("metadata.json") && ContainsSubstring("deeper than 128"));
 }
 
+TEST_CASE("checkpoint metadata integers are range-checked, not cast", "[io]") {
+  TempDir dir;
+  const auto step = train_state_step_dir(dir.path, 3);
+  fs::create_directories(step);
+  // get<int>() of 1e40 is undefined behaviour; of 2^32 + 1 it is 1.
+  for (const std::string& version : {"1e40", "4294967297", "1.5"}) {
+    write_file(step / "metadata.json", "{\"format\": \"slime.train_state\", \"version\": " + version + "}");
+    CHECK_THROWS_WITH(TrainStateReader(dir.path, 3),
+                      ContainsSubstring("metadata.json' is corrupt") && ContainsSubstring("version = "));
+  }
+}
+
 TEST_CASE("load errors read the message first, the checked condition last", "[io]") {
   TempDir dir;
   write_file(dir / "config.json", config_with(""));
