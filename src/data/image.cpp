@@ -52,9 +52,10 @@ std::string hex_prefix(std::span<const uint8_t> bytes) {
 
 std::vector<uint8_t> read_regular_file(const std::filesystem::path& path, int64_t max_file_bytes, const char* what) {
   const std::string name = path.string();
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) SLIME_FAIL("cannot read ", what, " '", name, "': ", std::strerror(errno));
   // Refuses a FIFO or a device without blocking in open().
   FileDescriptor fd = open_regular_file(path, what);
-  struct stat st {};
   if (::fstat(fd.get(), &st) != 0) SLIME_FAIL("cannot stat ", what, " '", name, "': ", std::strerror(errno));
   const int64_t size = int64_t(st.st_size);
   SLIME_CHECK(size > 0, what, " '", name, "' is empty (0 bytes)");
