@@ -42,6 +42,8 @@
 #include <nlohmann/json.hpp>
 
 #include "slime/core/error.hpp"
+#include "slime/core/json.hpp"
+#include "slime/core/regular_file.hpp"
 #include "slime/data/image.hpp"
 #include "slime/data/qwen_vl_image.hpp"
 #include "slime/data/sample.hpp"
@@ -62,6 +64,7 @@ struct Sequence {
 // Parses FILE: one sequence per non-blank line; every id must be an integer in
 // [0, vocab). Errors read "FILE:LINE: ...".
 std::vector<Sequence> read_token_file(const std::filesystem::path& path, int64_t vocab) {
+  slime::require_regular_file(path, "token file");  // a FIFO would block the open below
   std::ifstream in(path);
   if (!in) SLIME_FAIL("cannot open token file '", path.string(), "'");
   std::vector<Sequence> out;
@@ -273,9 +276,12 @@ void score_vl(slime::nn::Qwen3VLModel& model, const std::filesystem::path& dir, 
 // model_type of DIR/config.json, or "" when it cannot be read (load_hf then
 // reports the problem).
 std::string model_type(const std::filesystem::path& dir) {
-  std::ifstream in(dir / "config.json");
-  if (!in) return {};
-  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  nlohmann::json j;
+  try {
+    j = slime::parse_json(slime::read_regular_file(dir / "config.json", "config"), "config.json");
+  } catch (const slime::Error&) {
+    return {};
+  }
   if (!j.is_object()) return {};
   const auto it = j.find("model_type");
   return it != j.end() && it->is_string() ? it->get<std::string>() : std::string();

@@ -212,6 +212,7 @@ class Trainer {
       data::JsonlOptions jo;
       jo.vocab_size = config_.vocab_size;
       dataset_.emplace(data::PromptDataset::from_jsonl(o.prompts, o.seed, jo));
+      for (int64_t i = 0; i < dataset_->size(); ++i) check_label((*dataset_)[i].label, o.prompts, (*dataset_)[i].line);
       int64_t longest = 0;
       for (int64_t i = 0; i < dataset_->size(); ++i) longest = std::max<int64_t>(longest, (*dataset_)[i].tokens.size());
       context = longest + o.max_new_tokens;

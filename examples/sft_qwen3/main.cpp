@@ -322,7 +322,8 @@ int main(int argc, char** argv) {
       sft::require(first.is_number_integer(), "--eos-id is needed: ",
                    hf_config ? "the model's config.json has no integer eos_token_id"
                              : "the built-in model has no tokenizer, so the documents' separator must be given");
-      eos_id = first.get<int64_t>();
+      eos_id = slime::json_integer<uint32_t>(first, "eos_token_id",
+                                             "config '" + (fs::path(o.model) / "config.json").string() + "'");
     }
     const TokenDataset data(data_path, uint32_t(eos_id), o.max_tokens_per_rank);
     slime::nn::Qwen3Config config;

@@ -10,6 +10,8 @@
 // C++ between two such functions, never inside one.
 #include "slime/data/image.hpp"
 
+#include "slime/core/regular_file.hpp"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -45,28 +47,16 @@ std::string hex_prefix(std::span<const uint8_t> bytes) {
   return out;
 }
 
-const char* file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
 
 }  // namespace
 
 std::vector<uint8_t> read_regular_file(const std::filesystem::path& path, int64_t max_file_bytes, const char* what) {
   const std::string name = path.string();
   struct stat st {};
-  // stat first, so that a FIFO or a device is refused before open() could block on it.
   if (::stat(path.c_str(), &st) != 0) SLIME_FAIL("cannot read ", what, " '", name, "': ", std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) SLIME_FAIL(what, " '", name, "' is ", file_kind(st.st_mode), ", not a regular file");
-  // O_NONBLOCK: should the path be swapped for a FIFO between stat and open, open still returns.
-  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY));
-  if (!fd.valid()) SLIME_FAIL("cannot open ", what, " '", name, "': ", std::strerror(errno));
+  // Refuses a FIFO or a device without blocking in open().
+  FileDescriptor fd = open_regular_file(path, what);
   if (::fstat(fd.get(), &st) != 0) SLIME_FAIL("cannot stat ", what, " '", name, "': ", std::strerror(errno));
-  if (!S_ISREG(st.st_mode)) SLIME_FAIL(what, " '", name, "' is ", file_kind(st.st_mode), ", not a regular file");
   const int64_t size = int64_t(st.st_size);
   SLIME_CHECK(size > 0, what, " '", name, "' is empty (0 bytes)");
   SLIME_CHECK(size <= max_file_bytes, what, " '", name, "' has ", size,

@@ -3,6 +3,9 @@
 // copies tensors: the code that does depends on SLIME_HAS_CUDA and stays inline in the header.
 #include "slime/io/safetensors.hpp"
 
+#include "slime/core/json.hpp"
+#include "slime/core/regular_file.hpp"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -131,11 +134,10 @@ const SafetensorsDType* find_safetensors_dtype(std::string_view name) {
 std::string errno_text(int err) { return std::string(std::strerror(err)); }
 
 MappedFile::MappedFile(const std::filesystem::path& path) {
-  FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) SLIME_FAIL("cannot open '", path.string(), "': ", errno_text(errno));
+  // Refuses FIFOs and devices without blocking in open().
+  FileDescriptor fd = open_regular_file(path, "file");
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) SLIME_FAIL("cannot stat '", path.string(), "': ", errno_text(errno));
-  if (!S_ISREG(st.st_mode)) SLIME_FAIL("'", path.string(), "' is not a regular file");
   size_ = std::size_t(st.st_size);
   if (size_ == 0) return;  // mmap refuses empty mappings; callers see size() == 0
   void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd.get(), 0);
@@ -224,12 +226,8 @@ void SafetensorsFile::parse_header() {
     }
     return true;
   };
-  json header;
-  try {
-    header = json::parse(text, text + n, on_event);
-  } catch (const json::exception& e) {
-    fail("header is not valid JSON: ", e.what());
-  }
+  const json header = parse_json(std::string_view(text, n),
+                                 slime::detail::concat("safetensors file '", path_.string(), "': header"), on_event);
   if (!duplicate.empty()) {
     if (duplicate_depth == 1) fail("duplicate tensor name '", duplicate, "' in the header");
     fail("duplicate key '", duplicate, "' in the header");
@@ -240,7 +238,7 @@ void SafetensorsFile::parse_header() {
     if (key == "__metadata__") {
       if (!value.is_object()) fail("__metadata__ is not an object of strings");
       for (auto& [k, v] : value.items()) {
-        if (!v.is_string()) fail("__metadata__ value for key '", k, "' is not a string (", v.dump(), ")");
+        if (!v.is_string()) fail("__metadata__ value for key '", k, "' is not a string (", json_excerpt(v), ")");
         metadata_.emplace(k, v.get<std::string>());
       }
       continue;
@@ -274,55 +272,55 @@ SafetensorsTensorInfo SafetensorsFile::parse_entry(const std::string& name, cons
                                                    uint64_t data_size) const {
   SafetensorsTensorInfo t;
   t.name = name;
-  if (!entry.is_object()) fail("entry for tensor '", name, "' is not an object: ", entry.dump());
+  if (!entry.is_object()) fail("entry for tensor '", name, "' is not an object: ", json_excerpt(entry));
   auto field = [&](const char* key) -> const nlohmann::json& {
     auto it = entry.find(key);
     if (it == entry.end()) fail("tensor '", name, "' has no \"", key, "\"");
     return *it;
   };
   const auto& dtype = field("dtype");
-  if (!dtype.is_string()) fail("tensor '", name, "': dtype is not a string: ", dtype.dump());
+  if (!dtype.is_string()) fail("tensor '", name, "': dtype is not a string: ", json_excerpt(dtype));
   t.dtype_name = dtype.get<std::string>();
   const SafetensorsDType* d = detail::find_safetensors_dtype(t.dtype_name);
   if (d == nullptr) fail("tensor '", name, "' has unknown dtype '", t.dtype_name, "'");
   t.dtype = d->dtype;
 
   const auto& shape = field("shape");
-  if (!shape.is_array()) fail("tensor '", name, "': shape is not an array: ", shape.dump());
+  if (!shape.is_array()) fail("tensor '", name, "': shape is not an array: ", json_excerpt(shape));
   for (const auto& e : shape) {
-    if (!e.is_number_integer()) fail("tensor '", name, "': shape ", shape.dump(), " has a non-integer extent");
+    if (!e.is_number_integer()) fail("tensor '", name, "': shape ", json_excerpt(shape), " has a non-integer extent");
     if (e.is_number_unsigned()) {
       if (e.get<uint64_t>() > uint64_t(INT64_MAX))
-        fail("tensor '", name, "': shape ", shape.dump(), " has an extent too large");
+        fail("tensor '", name, "': shape ", json_excerpt(shape), " has an extent too large");
       t.dims.push_back(int64_t(e.get<uint64_t>()));
     } else {
       const int64_t v = e.get<int64_t>();
-      if (v < 0) fail("tensor '", name, "': shape ", shape.dump(), " has a negative extent ", v);
+      if (v < 0) fail("tensor '", name, "': shape ", json_excerpt(shape), " has a negative extent ", v);
       t.dims.push_back(v);
     }
   }
   t.numel = 1;
   for (int64_t e : t.dims)
     if (!detail::checked_mul(t.numel, e, t.numel))
-      fail("tensor '", name, "': element count of shape ", shape.dump(), " overflows");
+      fail("tensor '", name, "': element count of shape ", json_excerpt(shape), " overflows");
 
   const auto& offsets = field("data_offsets");
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
       !offsets[1].is_number_unsigned())
-    fail("tensor '", name, "': data_offsets ", offsets.dump(), " is not [begin, end] of non-negative integers");
+    fail("tensor '", name, "': data_offsets ", json_excerpt(offsets), " is not [begin, end] of non-negative integers");
   t.begin = offsets[0].get<uint64_t>();
   t.end = offsets[1].get<uint64_t>();
   if (t.begin > t.end) fail("tensor '", name, "': data_offsets [", t.begin, ", ", t.end, "] has begin > end");
 
   int64_t bits = 0;
   if (!detail::checked_mul(t.numel, d->bits, bits))
-    fail("tensor '", name, "': byte size of shape ", shape.dump(), " overflows");
+    fail("tensor '", name, "': byte size of shape ", json_excerpt(shape), " overflows");
   if (bits % 8 != 0)
     fail("tensor '", name, "': ", t.numel, " elements of ", t.dtype_name, " do not fill a whole number of bytes");
   const uint64_t expected = uint64_t(bits / 8);
   if (t.nbytes() != expected)
     fail("tensor '", name, "': data_offsets [", t.begin, ", ", t.end, "] span ", t.nbytes(), " bytes but ",
-         t.dtype_name, " ", shape.dump(), " needs ", expected);
+         t.dtype_name, " ", json_excerpt(shape), " needs ", expected);
   if (t.end > data_size)
     fail("tensor '", name, "': data_offsets [", t.begin, ", ", t.end, "] run past the data section (", data_size,
          " bytes; truncated?)");
@@ -569,18 +567,15 @@ void SafetensorsDir::load_index() {
   {
     const detail::MappedFile text(index_path_);
     const char* p = reinterpret_cast<const char*>(text.data());
-    try {
-      index = nlohmann::json::parse(p, p + text.size());
-    } catch (const nlohmann::json::exception& e) {
-      fail_index("not valid JSON: ", e.what());
-    }
+    index = parse_json(std::string_view(p, text.size()),
+                       slime::detail::concat("checkpoint index '", index_path_.string(), "'"));
   }
   if (!index.is_object()) fail_index("not a JSON object");
   auto wm = index.find("weight_map");
   if (wm == index.end() || !wm->is_object()) fail_index("has no \"weight_map\" object");
   std::map<std::string, std::size_t> shard_of_file;
   for (auto& [tensor, shard] : wm->items()) {
-    if (!shard.is_string()) fail_index("weight_map entry for '", tensor, "' is not a file name: ", shard.dump());
+    if (!shard.is_string()) fail_index("weight_map entry for '", tensor, "' is not a file name: ", json_excerpt(shard));
     const fs::path rel(shard.get<std::string>());
     const bool escapes = std::any_of(rel.begin(), rel.end(), [](const fs::path& c) { return c == ".."; });
     if (rel.empty() || rel.is_absolute() || escapes)

@@ -3,6 +3,8 @@
 // that allocate or copy them arrive as TrainStateSaveOps or stay inline in the header.
 #include "slime/io/train_state.hpp"
 
+#include "slime/core/json.hpp"
+
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -79,14 +81,14 @@ T json_integer(const nlohmann::json& j, std::string_view what) {
     const double hi = std::ldexp(1.0, L::digits), lo = L::is_signed ? -hi : 0.0;
     if (std::isfinite(d) && d == std::trunc(d) && d >= lo && d < hi) return T(d);
   } else {
-    SLIME_FAIL(what, " is not a number: ", j.dump().substr(0, 64));
+    SLIME_FAIL(what, " is not a number: ", json_excerpt(j));
   }
-  SLIME_FAIL(what, " is ", j.dump().substr(0, 64), ", not an integer in [", L::min(), ", ", L::max(), "]");
+  SLIME_FAIL(what, " is ", json_excerpt(j), ", not an integer in [", L::min(), ", ", L::max(), "]");
 }
 
 template <class T>
 std::vector<T> json_integers(const nlohmann::json& j, std::string_view what) {
-  if (!j.is_array()) SLIME_FAIL(what, " is not an array: ", j.dump().substr(0, 64));
+  if (!j.is_array()) SLIME_FAIL(what, " is not an array: ", json_excerpt(j));
   std::vector<T> out;
   for (std::size_t i = 0; i < j.size(); ++i) out.push_back(json_integer<T>(j[i], concat(what, "[", i, "]")));
   return out;
@@ -477,9 +479,9 @@ void TrainStateReader::load_metadata() {
     const detail::MappedFile text(path);
     const char* p = reinterpret_cast<const char*>(text.data());
     try {
-      meta = json::parse(p, p + text.size());
-    } catch (const json::exception& e) {
-      corrupt("not valid JSON: ", e.what());
+      meta = parse_json(std::string_view(p, text.size()), "the file");
+    } catch (const Error& e) {
+      corrupt(e.message());
     }
   }
   try {
@@ -508,7 +510,7 @@ void TrainStateReader::load_metadata() {
       const std::string at = detail::concat("\"files\"[", r, "]");
       if (integer(as_int, f.at("rank"), at + ".rank") != r ||
           f.at("file").get<std::string>() != detail::rank_file_name(r))
-        corrupt(at, " is ", f.dump());
+        corrupt(at, " is ", json_excerpt(f));
       file_bytes_.push_back(integer(std::type_identity<uint64_t>(), f.at("bytes"), at + ".bytes"));
       const fs::path file = dir_ / detail::rank_file_name(r);
       if (!fs::is_regular_file(file, ec))
@@ -518,25 +520,31 @@ void TrainStateReader::load_metadata() {
       Entry e;
       e.name = name;
       const SafetensorsDType* d = detail::find_safetensors_dtype(t.at("dtype").get<std::string>());
-      if (d == nullptr || !d->dtype) corrupt("tensor '", name, "' has dtype ", t.at("dtype").dump());
+      if (d == nullptr || !d->dtype) corrupt("tensor '", name, "' has dtype ", json_excerpt(t.at("dtype")));
       e.dtype = *d->dtype;
       const auto dims = integers(t.at("shape"), detail::concat("tensor '", name, "' shape"));
       if (dims.size() > std::size_t(Shape::kMaxDims) ||
           std::any_of(dims.begin(), dims.end(), [](int64_t x) { return x < 0; }))
-        corrupt("tensor '", name, "' has shape ", t.at("shape").dump());
+        corrupt("tensor '", name, "' has shape ", json_excerpt(t.at("shape")));
       int64_t numel = 1;
       for (int64_t x : dims)
         if (__builtin_mul_overflow(numel, x, &numel))
-          corrupt("tensor '", name, "' has shape ", t.at("shape").dump(), " (more than 2^63 elements)");
+          corrupt("tensor '", name, "' has shape ", json_excerpt(t.at("shape")), " (more than 2^63 elements)");
       e.shape = Shape(std::span<const int64_t>(dims));
       for (const json& p : t.at("pieces")) {
         const auto v = integers(p, detail::concat("tensor '", name, "' piece"));
-        if (v.size() != 3 || v[0] < 0 || v[0] >= world_) corrupt("tensor '", name, "' has piece ", p.dump());
+        if (v.size() != 3 || v[0] < 0 || v[0] >= world_) corrupt("tensor '", name, "' has piece ", json_excerpt(p));
         e.pieces.push_back({int(v[0]), v[1], v[2]});
       }
       std::sort(e.pieces.begin(), e.pieces.end(),
                 [](const detail::SavedPiece& a, const detail::SavedPiece& b) { return a.begin < b.begin; });
-      if (std::string err = detail::tiling_error(name, e.shape.numel(), e.pieces); !err.empty()) corrupt(err);
+      int64_t numel = 0;
+      try {
+        numel = e.shape.numel();
+      } catch (const Error& x) {
+        corrupt("tensor '", name, "': ", x.message());
+      }
+      if (std::string err = detail::tiling_error(name, numel, e.pieces); !err.empty()) corrupt(err);
       tensors_.emplace(name, std::move(e));
     }
   } catch (const json::exception& e) {

@@ -5,6 +5,7 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -348,4 +349,36 @@ TEST_CASE("shuffling: resuming from a saved DataPosition yields the same remaini
   CHECK_THROWS_WITH(DataPosition::from_json(nlohmann::json{{"epoch", -1}, {"index", 0}}),
                     ContainsSubstring("field 'epoch' must be a non-negative integer"));
   CHECK_THROWS(EpochSampler(0, 1));
+}
+
+// Hostile JSONL and token files (issue 21): deep nesting, NUL bytes, overflowing numbers and FIFOs
+// end in slime::Error naming the file and line, never a crash, a hang or a silently cut line.
+TEST_CASE("hostile JSONL lines are errors naming file:line", "[data]") {
+  TempDir dir;
+  const std::string deep = std::string(66000, '[') + std::string(66000, ']');
+  const fs::path nested =
+      dir.write("deep.jsonl", "{\"prompt_tokens\": [1]}\n{\"prompt_tokens\": [1], \"label\": " + deep + "}\n");
+  CHECK_THROWS_WITH(PromptDataset::from_jsonl(nested, 1),
+                    ContainsSubstring(nested.string() + ":2:") && ContainsSubstring("deeper than 128"));
+  const fs::path nul =
+      dir.write("nul.jsonl", std::string("{\"tokens\": [1, 2], \"response_length\": 1}") + '\0' + "garbage\n");
+  CHECK_THROWS_WITH(read_samples(nul), ContainsSubstring(nul.string() + ":1:") && ContainsSubstring("NUL byte"));
+  const fs::path big = dir.write("big.jsonl", "\n{\"tokens\": [1, 2], \"response_length\": 1, \"reward\": 1e999}\n");
+  CHECK_THROWS_WITH(read_samples(big), ContainsSubstring(big.string() + ":2:"));
+  const fs::path huge_int =
+      dir.write("int.jsonl", "{\"tokens\": [1, 2], \"response_length\": 99999999999999999999999}\n");
+  CHECK_THROWS_WITH(read_samples(huge_int), ContainsSubstring(huge_int.string() + ":1:"));
+}
+
+TEST_CASE("a FIFO as JSONL or token file is refused without blocking", "[data]") {
+  ::alarm(60);  // a blocked open() ends the run instead of hanging it
+  TempDir dir;
+  const fs::path jsonl = dir.path / "prompts.jsonl", tokens = dir.path / "data.u32";
+  REQUIRE(::mkfifo(jsonl.c_str(), 0600) == 0);
+  REQUIRE(::mkfifo(tokens.c_str(), 0600) == 0);
+  CHECK_THROWS_WITH(PromptDataset::from_jsonl(jsonl, 1),
+                    ContainsSubstring(jsonl.string()) && ContainsSubstring("FIFO"));
+  CHECK_THROWS_WITH(read_samples(jsonl), ContainsSubstring("FIFO"));
+  CHECK_THROWS_WITH(TokenFile(tokens), ContainsSubstring(tokens.string()) && ContainsSubstring("FIFO"));
+  ::alarm(0);
 }

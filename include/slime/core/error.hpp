@@ -43,8 +43,14 @@ namespace detail {
 template <class... Args>
 std::string concat(const Args&... args) {
   std::ostringstream out;
-  (out << ... << args);
+  if constexpr (sizeof...(Args) > 0) (out << ... << args);
   return out.str();
+}
+
+// "<message> [check failed: <cond>]", or "check failed: <cond>" without a message.
+inline std::string check_message(std::string message, const char* cond) {
+  if (message.empty()) return std::string("check failed: ") + cond;
+  return message + " [check failed: " + cond + "]";
 }
 
 [[noreturn]] inline void throw_error(const char* file, int line, std::string message) {
@@ -54,15 +60,16 @@ std::string concat(const Args&... args) {
 }  // namespace detail
 }  // namespace slime
 
-// Throws slime::Error with the condition's text and the streamed message when
-// `cond` is false. Use for preconditions on user input; never for hot loops.
-#define SLIME_CHECK(cond, ...)                                                          \
-  do {                                                                                  \
-    if (!(cond)) [[unlikely]] {                                                         \
-      ::slime::detail::throw_error(__FILE__, __LINE__,                                  \
-                                   ::slime::detail::concat("check failed: " #cond " ", \
-                                                           ##__VA_ARGS__));             \
-    }                                                                                   \
+// Throws slime::Error when `cond` is false: the streamed message first, then the
+// condition's text, "<message> [check failed: <cond>]", so a user reads what is
+// wrong before the internal expression. Use for preconditions on user input;
+// never for hot loops.
+#define SLIME_CHECK(cond, ...)                                                                                   \
+  do {                                                                                                           \
+    if (!(cond)) [[unlikely]] {                                                                                  \
+      ::slime::detail::throw_error(__FILE__, __LINE__,                                                           \
+                                   ::slime::detail::check_message(::slime::detail::concat(__VA_ARGS__), #cond)); \
+    }                                                                                                            \
   } while (0)
 
 // Throws slime::Error unconditionally with the streamed message.

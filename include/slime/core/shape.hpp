@@ -34,9 +34,19 @@ class Shape {
   const int64_t* begin() const { return dims_.data(); }
   const int64_t* end() const { return dims_.data() + rank_; }
 
+  // The product of the extents; throws (naming the shape) where it does not fit in int64, so
+  // that hostile dims never wrap into a small or zero-byte allocation.
   int64_t numel() const {
     int64_t n = 1;
-    for (int i = 0; i < rank_; ++i) n *= dims_[i];
+    for (int i = 0; i < rank_; ++i)
+      if (__builtin_mul_overflow(n, dims_[i], &n)) overflow("elements");
+    return n;
+  }
+
+  // numel() * element_bytes, checked the same way.
+  int64_t nbytes(std::size_t element_bytes) const {
+    int64_t n = 0;
+    if (__builtin_mul_overflow(numel(), int64_t(element_bytes), &n)) overflow("bytes");
     return n;
   }
 
@@ -51,6 +61,10 @@ class Shape {
     std::string s = "(";
     for (int i = 0; i < rank_; ++i) s += (i ? ", " : "") + std::to_string(dims_[i]);
     return s + (rank_ == 1 ? ",)" : ")");
+  }
+
+  [[noreturn]] void overflow(const char* what) const {
+    SLIME_FAIL("shape ", str(), ": the number of ", what, " overflows int64");
   }
 
   // Negative indices count from the back, as in Python.

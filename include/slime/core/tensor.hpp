@@ -54,7 +54,7 @@ class Tensor {
     const Stream s = device.is_cuda() && stream.device() != device ? Stream::default_for(device) : stream;
     const MemoryKind kind = device.is_cuda() ? MemoryKind::device : MemoryKind::host;
     Tensor t;
-    t.storage_ = std::make_shared<Storage>(kind, std::size_t(shape.numel()) * dtype_size(dtype), s);
+    t.storage_ = std::make_shared<Storage>(kind, std::size_t(shape.nbytes(dtype_size(dtype))), s);
     t.shape_ = shape;
     t.dtype_ = dtype;
     return t;
@@ -63,7 +63,7 @@ class Tensor {
   // Page-locked host memory: the source or target of asynchronous copies.
   static Tensor empty_pinned(const Shape& shape, DType dtype) {
     Tensor t;
-    t.storage_ = std::make_shared<Storage>(MemoryKind::pinned, std::size_t(shape.numel()) * dtype_size(dtype), Stream{});
+    t.storage_ = std::make_shared<Storage>(MemoryKind::pinned, std::size_t(shape.nbytes(dtype_size(dtype))), Stream{});
     t.shape_ = shape;
     t.dtype_ = dtype;
     return t;

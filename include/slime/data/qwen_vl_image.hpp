@@ -45,6 +45,7 @@
 #include <nlohmann/json.hpp>
 
 #include "slime/core/error.hpp"
+#include "slime/core/json.hpp"
 #include "slime/data/image.hpp"
 
 namespace slime::data {
@@ -127,7 +128,8 @@ struct QwenVLImageOptions {
       SLIME_CHECK(it->is_array() && it->size() == 3, where, ": '", key, "' must be a number or 3 numbers, got ",
                   it->dump());
       for (int c = 0; c < 3; ++c) {
-        SLIME_CHECK((*it)[c].is_number(), where, ": '", key, "'[", c, "] must be a number, got ", (*it)[c].dump());
+        SLIME_CHECK((*it)[c].is_number(), where, ": '", key, "'[", c, "] must be a number, got ",
+                    json_excerpt((*it)[c]));
         out[c] = (*it)[c].get<double>();
       }
     };
@@ -170,8 +172,8 @@ inline QwenVLImageOptions read_preprocessor_config(const std::filesystem::path& 
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec)) file = path / "preprocessor_config.json";
   const std::vector<uint8_t> bytes = read_regular_file(file, int64_t(1) << 24, "preprocessor config");
-  nlohmann::json j = nlohmann::json::parse(bytes.begin(), bytes.end(), nullptr, /*allow_exceptions=*/false);
-  SLIME_CHECK(!j.is_discarded(), "preprocessor config '", file.string(), "' is not valid JSON");
+  const nlohmann::json j = parse_json(std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+                                      "preprocessor config '" + file.string() + "'");
   return QwenVLImageOptions::from_json(j, "preprocessor config '" + file.string() + "'");
 }
 

@@ -35,6 +35,8 @@
 #include <nlohmann/json.hpp>
 
 #include "slime/core/error.hpp"
+#include "slime/core/json.hpp"
+#include "slime/core/regular_file.hpp"
 
 namespace slime::data {
 
@@ -88,9 +90,9 @@ inline const nlohmann::json& require_field(const nlohmann::json& j, std::string_
 }
 
 inline int64_t read_integer(const nlohmann::json& v, std::string_view name, const JsonlWhere& at) {
-  if (!v.is_number_integer()) data_fail(at, concat("field '", name, "' must be an integer, got ", v.dump()));
+  if (!v.is_number_integer()) data_fail(at, concat("field '", name, "' must be an integer, got ", json_excerpt(v)));
   if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
-    data_fail(at, concat("field '", name, "' = ", v.dump(), " is out of range"));
+    data_fail(at, concat("field '", name, "' = ", json_excerpt(v), " is out of range"));
   return v.get<int64_t>();
 }
 
@@ -110,13 +112,14 @@ inline std::vector<int32_t> read_tokens(const nlohmann::json& v, std::string_vie
   for (std::size_t i = 0; i < a.size(); ++i) {
     const nlohmann::json& t = a[i];
     if (!t.is_number_integer())
-      data_fail(at, concat("field '", name, "'[", i, "] must be an integer token id, got ", t.dump()));
+      data_fail(at, concat("field '", name, "'[", i, "] must be an integer token id, got ", json_excerpt(t)));
     const bool negative = t.is_number_integer() && !t.is_number_unsigned() && t.get<int64_t>() < 0;
     if (negative || t.get<uint64_t>() >= uint64_t(limit)) {
       if (options.vocab_size > 0)
-        data_fail(at, concat("field '", name, "'[", i, "] = ", t.dump(), " is out of the vocabulary [0, ",
+        data_fail(at, concat("field '", name, "'[", i, "] = ", json_excerpt(t), " is out of the vocabulary [0, ",
                              options.vocab_size, ")"));
-      data_fail(at, concat("field '", name, "'[", i, "] = ", t.dump(), " is not a valid token id (0 <= id < 2^31)"));
+      data_fail(at,
+                concat("field '", name, "'[", i, "] = ", json_excerpt(t), " is not a valid token id (0 <= id < 2^31)"));
     }
     out.push_back(int32_t(t.get<int64_t>()));
   }
@@ -128,19 +131,24 @@ inline std::vector<std::string> read_strings(const nlohmann::json& v, std::strin
   std::vector<std::string> out;
   out.reserve(a.size());
   for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!a[i].is_string()) data_fail(at, concat("field '", name, "'[", i, "] must be a string, got ", a[i].dump()));
+    if (!a[i].is_string())
+      data_fail(at, concat("field '", name, "'[", i, "] must be a string, got ", json_excerpt(a[i])));
     out.push_back(a[i].get<std::string>());
   }
   return out;
 }
 
-// A line as one JSON object, or an error naming the line.
+// A line as one JSON object, or an error naming the line: malformed JSON, a NUL byte, nesting past
+// kJsonMaxDepth and numbers out of range all read "<file>:<line>: ...".
 inline nlohmann::json parse_line(std::string_view line, const JsonlWhere& at) {
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(line);
-  } catch (const nlohmann::json::parse_error& e) {
-    data_fail(at, concat("malformed JSON: ", e.what()));
+    check_json_text(line, "the line");
+    j = nlohmann::json::parse(line.begin(), line.end());
+  } catch (const nlohmann::json::exception& e) {
+    data_fail(at, concat("malformed JSON: ", json_parse_error(e)));
+  } catch (const Error& e) {
+    data_fail(at, e.message());
   }
   if (!j.is_object()) data_fail(at, concat("expected a JSON object, got ", j.type_name()));
   return j;
@@ -153,6 +161,7 @@ inline nlohmann::json parse_line(std::string_view line, const JsonlWhere& at) {
 class JsonlReader {
  public:
   explicit JsonlReader(std::filesystem::path path) : path_(std::move(path)), name_(path_.string()) {
+    require_regular_file(path_, "JSONL file");  // a FIFO would block the open below
     in_.open(path_, std::ios::binary);
     if (!in_) SLIME_FAIL("cannot open '", name_, "': ", std::strerror(errno));
   }
@@ -219,7 +228,7 @@ inline Sample sample_from_json(const nlohmann::json& j, const JsonlOptions& opti
       } else if (m.is_number_integer() && (m.get<int64_t>() == 0 || m.get<int64_t>() == 1)) {
         s.loss_mask.push_back(uint8_t(m.get<int64_t>()));
       } else {
-        data_fail(at, concat("field 'loss_mask'[", i, "] must be 0 or 1, got ", m.dump()));
+        data_fail(at, concat("field 'loss_mask'[", i, "] must be 0 or 1, got ", json_excerpt(m)));
       }
     }
   } else {
@@ -227,7 +236,7 @@ inline Sample sample_from_json(const nlohmann::json& j, const JsonlOptions& opti
   }
   s.response_length = int32_t(response);
   if (const nlohmann::json* r = find_field(j, "reward")) {
-    if (!r->is_number()) data_fail(at, concat("field 'reward' must be a number, got ", r->dump()));
+    if (!r->is_number()) data_fail(at, concat("field 'reward' must be a number, got ", json_excerpt(*r)));
     s.reward = r->get<double>();
   }
   if (const nlohmann::json* lp = find_field(j, "rollout_log_probs")) {
@@ -237,7 +246,7 @@ inline Sample sample_from_json(const nlohmann::json& j, const JsonlOptions& opti
     s.rollout_log_probs.reserve(a.size());
     for (std::size_t i = 0; i < a.size(); ++i) {
       if (!a[i].is_number())
-        data_fail(at, concat("field 'rollout_log_probs'[", i, "] must be a number, got ", a[i].dump()));
+        data_fail(at, concat("field 'rollout_log_probs'[", i, "] must be a number, got ", json_excerpt(a[i])));
       s.rollout_log_probs.push_back(a[i].get<float>());
     }
   }

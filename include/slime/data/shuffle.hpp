@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "slime/core/error.hpp"
+#include "slime/core/json.hpp"
 #include "slime/core/random.hpp"
 
 namespace slime::data {
@@ -93,13 +94,13 @@ struct DataPosition {
 
   nlohmann::json to_json() const { return {{"epoch", epoch}, {"index", index}}; }
   static DataPosition from_json(const nlohmann::json& j) {
-    SLIME_CHECK(j.is_object(), "DataPosition: expected a JSON object, got ", j.dump());
+    SLIME_CHECK(j.is_object(), "DataPosition: expected a JSON object, got ", json_excerpt(j));
     DataPosition p;
     for (auto [name, field] : {std::pair{"epoch", &p.epoch}, std::pair{"index", &p.index}}) {
       auto it = j.find(name);
-      SLIME_CHECK(it != j.end(), "DataPosition: missing field '", name, "' in ", j.dump());
+      SLIME_CHECK(it != j.end(), "DataPosition: missing field '", name, "' in ", json_excerpt(j));
       SLIME_CHECK(it->is_number_integer() && it->get<int64_t>() >= 0, "DataPosition: field '", name,
-                  "' must be a non-negative integer, got ", it->dump());
+                  "' must be a non-negative integer, got ", json_excerpt(*it));
       *field = it->get<int64_t>();
     }
     return p;

@@ -31,6 +31,7 @@
 
 #include "slime/core/error.hpp"
 #include "slime/core/file_descriptor.hpp"
+#include "slime/core/regular_file.hpp"
 
 namespace slime::data {
 
@@ -143,8 +144,7 @@ class TokenFile {
  public:
   explicit TokenFile(std::filesystem::path path) : path_(std::move(path)) {
     const std::string name = path_.string();
-    FileDescriptor fd(::open(path_.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd.valid()) SLIME_FAIL("cannot open token file '", name, "': ", detail::errno_string(errno));
+    FileDescriptor fd = open_regular_file(path_, "token file");  // a FIFO is refused, not waited on
     struct stat st {};
     if (::fstat(fd.get(), &st) != 0) SLIME_FAIL("cannot stat '", name, "': ", detail::errno_string(errno));
     const uint64_t size = uint64_t(st.st_size);

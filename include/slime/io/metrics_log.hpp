@@ -25,6 +25,8 @@
 #include <nlohmann/json.hpp>
 
 #include "slime/core/error.hpp"
+#include "slime/core/json.hpp"
+#include "slime/core/regular_file.hpp"
 #include "slime/io/tensorboard.hpp"
 
 namespace slime::io {
@@ -54,6 +56,7 @@ struct MetricsRecord {
 // by a crash) is skipped when `allow_torn_tail`; any other malformed line
 // throws slime::Error naming the file and line.
 inline std::vector<MetricsRecord> read_metrics_jsonl(const std::filesystem::path& path, bool allow_torn_tail = true) {
+  require_regular_file(path, "metrics log");
   std::ifstream in(path, std::ios::binary);
   SLIME_CHECK(in.good(), "metrics log '", path.string(), "' cannot be opened: ", std::strerror(errno));
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -66,6 +69,12 @@ inline std::vector<MetricsRecord> read_metrics_jsonl(const std::filesystem::path
     pos = end == std::string::npos ? text.size() : end + 1;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     const auto where = [&] { return ::slime::detail::concat(path.string(), ":", line_no, ": "); };
+    // Bounded nesting, no NUL: the file may come from a hostile --resume directory.
+    try {
+      check_json_text(line, "the line");
+    } catch (const Error& e) {
+      SLIME_FAIL(where(), e.message());
+    }
     nlohmann::ordered_json j = nlohmann::ordered_json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (j.is_discarded() || !j.is_object()) SLIME_FAIL(where(), "not a JSON object: ", line.substr(0, 80));
     const auto step = j.find("step");
@@ -144,6 +153,7 @@ class MetricsLog {
   // Keeps the lines with step < `step`, atomically (temp file + rename).
   void truncate_from(int64_t step) {
     std::string kept;
+    require_regular_file(path_, "metrics log");
     std::ifstream in(path_, std::ios::binary);
     SLIME_CHECK(in.good(), "MetricsLog: cannot read '", path_.string(), "' to resume: ", std::strerror(errno));
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -75,6 +75,8 @@
 
 #include "slime/core/dtype.hpp"
 #include "slime/core/error.hpp"
+#include "slime/core/json.hpp"
+#include "slime/core/regular_file.hpp"
 #include "slime/ops/cpu/rope.hpp"
 
 namespace slime::nn {
@@ -82,16 +84,9 @@ namespace slime::nn {
 namespace detail {
 
 // Parses the JSON file `path`; errors name it.
+// Refuses a FIFO or device, NUL bytes and nesting past kJsonMaxDepth.
 inline nlohmann::json read_json_file(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  if (!in) SLIME_FAIL("config '", path.string(), "': cannot open");
-  std::stringstream text;
-  text << in.rdbuf();
-  try {
-    return nlohmann::json::parse(text.str());
-  } catch (const nlohmann::json::exception& e) {
-    SLIME_FAIL("config '", path.string(), "': not valid JSON: ", e.what());
-  }
+  return parse_json(read_regular_file(path, "config"), "config '" + path.string() + "'");
 }
 
 }  // namespace detail
@@ -179,6 +174,16 @@ struct Qwen3Config {
     positive("num_key_value_heads", num_key_value_heads);
     positive("head_dim", head_dim);
     positive("max_position_embeddings", max_position_embeddings);
+    // Upper bounds far above any released model, so that an absurd size is an error naming its
+    // field here rather than a failed allocation later.
+    at_most("vocab_size", vocab_size, kMaxVocabSize);
+    at_most("hidden_size", hidden_size, kMaxWidth);
+    at_most("intermediate_size", intermediate_size, kMaxWidth);
+    at_most("num_hidden_layers", num_hidden_layers, kMaxLayers);
+    at_most("num_attention_heads", num_attention_heads, kMaxHeads);
+    at_most("num_key_value_heads", num_key_value_heads, kMaxHeads);
+    at_most("head_dim", head_dim, kMaxHeadDim);
+    at_most("max_position_embeddings", max_position_embeddings, kMaxPositions);
     if (num_attention_heads % num_key_value_heads != 0)
       fail("num_attention_heads = ", num_attention_heads,
            " is not a multiple of num_key_value_heads = ", num_key_value_heads);
@@ -201,6 +206,8 @@ struct Qwen3Config {
       if (num_experts_per_tok > num_experts)
         fail("num_experts_per_tok = ", num_experts_per_tok, " exceeds num_experts = ", num_experts);
       positive("moe_intermediate_size", moe_intermediate_size);
+      at_most("num_experts", num_experts, kMaxExperts);
+      at_most("moe_intermediate_size", moe_intermediate_size, kMaxWidth);
       positive("decoder_sparse_step", decoder_sparse_step);
       if (!(std::isfinite(router_aux_loss_coef) && router_aux_loss_coef >= 0))
         fail("router_aux_loss_coef = ", router_aux_loss_coef, " must be >= 0");
@@ -220,7 +227,7 @@ struct Qwen3Config {
 
     // Model type first: it picks the defaults.
     if (const auto* mt = r.find("model_type")) {
-      if (!mt->is_string()) c.fail("model_type is not a string: ", mt->dump());
+      if (!mt->is_string()) c.fail("model_type is not a string: ", json_excerpt(*mt));
       c.model_type = mt->get<std::string>();
     } else if (const auto* arch = r.find("architectures");
                arch != nullptr && arch->is_array() && !arch->empty() && (*arch)[0] == "Qwen3MoeForCausalLM") {
@@ -287,22 +294,22 @@ struct Qwen3Config {
         const nlohmann::json* p = r.find(key);
         r.take(key);
         if (p == nullptr || p->is_null()) continue;
-        if (!p->is_object()) c.fail(key, " is not an object: ", p->dump());
+        if (!p->is_object()) c.fail(key, " is not an object: ", json_excerpt(*p));
         std::string type = "default";
         for (const char* type_key : {"rope_type", "type"})
           if (auto it = p->find(type_key); it != p->end()) {
-            if (!it->is_string()) c.fail(key, ".", type_key, " is not a string: ", it->dump());
+            if (!it->is_string()) c.fail(key, ".", type_key, " is not a string: ", json_excerpt(*it));
             type = it->get<std::string>();
           }
         if (type != "default")
           c.fail(key, " has rope_type '", type, "'; slime implements only the default RoPE (no scaling)");
         if (auto it = p->find("mrope_section"); it != p->end() && !it->is_null()) {
           if (!it->is_array() || it->size() != 3)
-            c.fail(key, ".mrope_section is not an array of 3 integers: ", it->dump());
+            c.fail(key, ".mrope_section is not an array of 3 integers: ", json_excerpt(*it));
           for (std::size_t a = 0; a < 3; ++a) {
             const nlohmann::json& e = (*it)[a];
             if (!e.is_number_integer() || e.get<int64_t>() < 0 || e.get<int64_t>() > INT32_MAX)
-              c.fail(key, ".mrope_section = ", it->dump(), " holds ", e.dump(),
+              c.fail(key, ".mrope_section = ", json_excerpt(*it), " holds ", json_excerpt(e),
                      ", which is not a count of rotation pairs");
             c.mrope_section[a] = e.get<int64_t>();
           }
@@ -312,7 +319,7 @@ struct Qwen3Config {
                    "interleaved MRoPE only");
         }
         if (auto it = p->find("rope_theta"); it != p->end()) {
-          if (!it->is_number()) c.fail(key, ".rope_theta is not a number: ", it->dump());
+          if (!it->is_number()) c.fail(key, ".rope_theta is not a number: ", json_excerpt(*it));
           const double v = it->get<double>();
           if (nested && *nested != v)
             c.fail("rope_parameters.rope_theta and rope_scaling.rope_theta disagree: ", *nested, " vs ", v);
@@ -328,7 +335,7 @@ struct Qwen3Config {
     if (r.present("hidden_act")) {
       const nlohmann::json& act = *r.find("hidden_act");
       if (!act.is_string() || act.get<std::string>() != "silu")
-        c.fail("hidden_act = ", act.dump(), " is not supported (Qwen3 uses \"silu\")");
+        c.fail("hidden_act = ", json_excerpt(act), " is not supported (Qwen3 uses \"silu\")");
     }
     r.take("hidden_act");
     if (r.bool_or("use_sliding_window", false))
@@ -355,10 +362,10 @@ struct Qwen3Config {
       c.output_router_logits = r.bool_or("output_router_logits", false);
       if (r.present("mlp_only_layers")) {
         const nlohmann::json& l = *r.find("mlp_only_layers");
-        if (!l.is_array()) c.fail("mlp_only_layers is not an array: ", l.dump());
+        if (!l.is_array()) c.fail("mlp_only_layers is not an array: ", json_excerpt(l));
         for (const auto& e : l) {
           if (!e.is_number_integer() || e.get<int64_t>() < INT32_MIN || e.get<int64_t>() > INT32_MAX)
-            c.fail("mlp_only_layers = ", l.dump(), " holds ", e.dump(), ", which is not a layer index");
+            c.fail("mlp_only_layers = ", json_excerpt(l), " holds ", json_excerpt(e), ", which is not a layer index");
           c.mlp_only_layers.push_back(e.get<int>());
         }
       }
@@ -367,7 +374,7 @@ struct Qwen3Config {
       // A dense model_type with experts is a contradiction, not a dense model.
       for (const char* key : {"num_experts", "num_local_experts"})
         if (const auto* e = r.find(key); e != nullptr && e->is_number() && e->get<double>() > 0)
-          c.fail(key, " = ", e->dump(), " but model_type '", c.model_type, "' is dense (expected a MoE type)");
+          c.fail(key, " = ", json_excerpt(*e), " but model_type '", c.model_type, "' is dense (expected a MoE type)");
       c.num_experts = 0;
       c.num_experts_per_tok = 0;
       c.moe_intermediate_size = 0;
@@ -426,6 +433,16 @@ struct Qwen3Config {
   }
 
  private:
+  // Size limits of validate(): powers of two well above the largest released models (vocabularies
+  // of about 2^18, widths of 2^15 to 2^16, under 2^8 layers, 2^9 experts).
+  static constexpr int64_t kMaxVocabSize = int64_t(1) << 24;
+  static constexpr int64_t kMaxWidth = int64_t(1) << 20;  // hidden and intermediate sizes
+  static constexpr int64_t kMaxLayers = 4096;
+  static constexpr int64_t kMaxHeads = 4096;
+  static constexpr int64_t kMaxHeadDim = 4096;
+  static constexpr int64_t kMaxPositions = int64_t(1) << 26;
+  static constexpr int64_t kMaxExperts = 1 << 16;
+
   static constexpr const char* kModelTypes = "'qwen3', 'qwen3_moe', 'qwen3_vl_text' or 'qwen3_vl_moe_text'";
   static bool known_model_type(const std::string& t) {
     return t == "qwen3" || t == "qwen3_moe" || t == "qwen3_vl_text" || t == "qwen3_vl_moe_text";
@@ -460,6 +477,10 @@ struct Qwen3Config {
   void positive(const char* field, T value) const {
     if (value <= 0) fail(field, " = ", value, " must be positive");
   }
+  template <class T>
+  void at_most(const char* field, T value, int64_t limit) const {
+    if (int64_t(value) > limit) fail(field, " = ", value, " exceeds slime's limit of ", limit);
+  }
 
   // Typed access to config.json fields that records which keys were used.
   struct Reader {
@@ -480,9 +501,9 @@ struct Qwen3Config {
     int64_t integer(const char* key) {
       take(key);
       const nlohmann::json& v = *find(key);
-      if (!v.is_number_integer()) c.fail(key, " = ", v.dump(), " is not an integer");
+      if (!v.is_number_integer()) c.fail(key, " = ", json_excerpt(v), " is not an integer");
       if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))
-        c.fail(key, " = ", v.dump(), " is too large");
+        c.fail(key, " = ", json_excerpt(v), " is too large");
       return v.get<int64_t>();
     }
     int int32(const char* key) {
@@ -509,7 +530,7 @@ struct Qwen3Config {
     double number(const char* key) {
       take(key);
       const nlohmann::json& v = *find(key);
-      if (!v.is_number()) c.fail(key, " = ", v.dump(), " is not a number");
+      if (!v.is_number()) c.fail(key, " = ", json_excerpt(v), " is not a number");
       return v.get<double>();
     }
     double number_or(const char* key, double fallback) {
@@ -520,14 +541,14 @@ struct Qwen3Config {
       take(key);
       if (!present(key)) return fallback;
       const nlohmann::json& v = *find(key);
-      if (!v.is_boolean()) c.fail(key, " = ", v.dump(), " is not a boolean");
+      if (!v.is_boolean()) c.fail(key, " = ", json_excerpt(v), " is not a boolean");
       return v.get<bool>();
     }
     std::optional<DType> dtype_field(const char* key) {
       take(key);
       if (!present(key)) return std::nullopt;
       const nlohmann::json& v = *find(key);
-      if (!v.is_string()) c.fail(key, " = ", v.dump(), " is not a string");
+      if (!v.is_string()) c.fail(key, " = ", json_excerpt(v), " is not a string");
       std::string s = v.get<std::string>();
       if (s.starts_with("torch.")) s = s.substr(6);
       if (s != "float32" && s != "bfloat16" && s != "float16")

@@ -67,6 +67,18 @@ struct Qwen3VLVisionConfig {
     positive("spatial_merge_size", spatial_merge_size);
     positive("out_hidden_size", out_hidden_size);
     positive("num_position_embeddings", num_position_embeddings);
+    // Upper bounds far above any released tower, so that an absurd size is an error naming its
+    // field here rather than a failed allocation later.
+    at_most("depth", depth, 4096);
+    at_most("hidden_size", hidden_size, int64_t(1) << 20);
+    at_most("intermediate_size", intermediate_size, int64_t(1) << 20);
+    at_most("num_heads", num_heads, 4096);
+    at_most("in_channels", in_channels, 64);
+    at_most("patch_size", patch_size, 1024);
+    at_most("temporal_patch_size", temporal_patch_size, 1024);
+    at_most("spatial_merge_size", spatial_merge_size, 64);
+    at_most("out_hidden_size", out_hidden_size, int64_t(1) << 20);
+    at_most("num_position_embeddings", num_position_embeddings, int64_t(1) << 24);
     if (hidden_size % num_heads != 0)
       fail("hidden_size = ", hidden_size, " is not a multiple of num_heads = ", num_heads);
     if (head_dim() % 4 != 0)
@@ -91,7 +103,7 @@ struct Qwen3VLVisionConfig {
     if (!j.is_object()) c.fail("config is not a JSON object (it is a JSON ", j.type_name(), ")");
     const nlohmann::json* v = &j;
     if (auto it = j.find("vision_config"); it != j.end()) {
-      if (!it->is_object()) c.fail("vision_config is not an object: ", it->dump());
+      if (!it->is_object()) c.fail("vision_config is not an object: ", json_excerpt(*it));
       v = &*it;
     } else if (j.contains("text_config")) {
       c.fail("a Qwen3-VL config without a vision_config object");
@@ -99,7 +111,7 @@ struct Qwen3VLVisionConfig {
     const auto integer = [&](const char* key, auto& out) {
       auto it = v->find(key);
       if (it == v->end() || it->is_null()) return;
-      if (!it->is_number_integer()) c.fail("vision_config.", key, " = ", it->dump(), " is not an integer");
+      if (!it->is_number_integer()) c.fail("vision_config.", key, " = ", json_excerpt(*it), " is not an integer");
       const int64_t x = it->get<int64_t>();
       if (x < INT32_MIN || x > INT32_MAX) c.fail("vision_config.", key, " = ", x, " is out of range");
       out = static_cast<std::remove_reference_t<decltype(out)>>(x);
@@ -115,28 +127,29 @@ struct Qwen3VLVisionConfig {
     integer("out_hidden_size", c.out_hidden_size);
     integer("num_position_embeddings", c.num_position_embeddings);
     if (auto it = v->find("deepstack_visual_indexes"); it != v->end() && !it->is_null()) {
-      if (!it->is_array()) c.fail("vision_config.deepstack_visual_indexes is not an array: ", it->dump());
+      if (!it->is_array()) c.fail("vision_config.deepstack_visual_indexes is not an array: ", json_excerpt(*it));
       c.deepstack_visual_indexes.clear();
       for (const auto& e : *it) {
         if (!e.is_number_integer() || e.get<int64_t>() < INT32_MIN || e.get<int64_t>() > INT32_MAX)
-          c.fail("vision_config.deepstack_visual_indexes = ", it->dump(), " holds ", e.dump(),
+          c.fail("vision_config.deepstack_visual_indexes = ", json_excerpt(*it), " holds ", json_excerpt(e),
                  ", which is not a block index");
         c.deepstack_visual_indexes.push_back(e.get<int>());
       }
     }
     if (auto it = v->find("hidden_act"); it != v->end() && !it->is_null()) {
       if (!it->is_string() || it->get<std::string>() != "gelu_pytorch_tanh")
-        c.fail("vision_config.hidden_act = ", it->dump(),
+        c.fail("vision_config.hidden_act = ", json_excerpt(*it),
                " is not supported (the Qwen3-VL vision MLP is \"gelu_pytorch_tanh\")");
     }
     for (const char* key : {"rope_parameters", "rope_scaling"}) {
       auto it = v->find(key);
       if (it == v->end() || it->is_null()) continue;
-      if (!it->is_object()) c.fail("vision_config.", key, " is not an object: ", it->dump());
+      if (!it->is_object()) c.fail("vision_config.", key, " is not an object: ", json_excerpt(*it));
       if (auto t = it->find("rope_type"); t != it->end() && !(t->is_string() && t->get<std::string>() == "axial"))
-        c.fail("vision_config.", key, ".rope_type = ", t->dump(), " is not supported (the vision rotary is \"axial\")");
+        c.fail("vision_config.", key, ".rope_type = ", json_excerpt(*t),
+               " is not supported (the vision rotary is \"axial\")");
       if (auto t = it->find("rope_theta"); t != it->end()) {
-        if (!t->is_number()) c.fail("vision_config.", key, ".rope_theta = ", t->dump(), " is not a number");
+        if (!t->is_number()) c.fail("vision_config.", key, ".rope_theta = ", json_excerpt(*t), " is not a number");
         c.rope_theta = t->get<double>();
       }
     }
@@ -182,6 +195,10 @@ struct Qwen3VLVisionConfig {
   template <class T>
   void positive(const char* field, T value) const {
     if (value <= 0) fail(field, " = ", value, " must be positive");
+  }
+  template <class T>
+  void at_most(const char* field, T value, int64_t limit) const {
+    if (int64_t(value) > limit) fail(field, " = ", value, " exceeds slime's limit of ", limit);
   }
 };
 
