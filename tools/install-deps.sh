@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what slime's build needs on a fresh Debian 12 (bookworm) machine:
 # cmake >= 3.31 and Catch2 v3 from bookworm-backports, the rest from bookworm.
+# `--fuzz` adds clang and its libFuzzer/sanitizer runtimes (tools/fuzz.sh).
 # Idempotent: a second run installs nothing. On any other system (e.g. the
 # Ubuntu 24.04 GPU machine, which has its own cmake 4 / Catch2 3.4 / benchmark)
 # it only reports what it finds and changes nothing.
@@ -9,6 +10,9 @@ set -euo pipefail
 need_cmake="3.28"   # first cmake we rely on for CUDA + C++20 (bookworm's 3.25 cannot)
 pkgs_backports=(cmake catch2)
 pkgs_main=(ninja-build libbenchmark-dev nlohmann-json3-dev libcli11-dev libfmt-dev python3 libpng-dev libjpeg62-turbo-dev)
+if [ "${1:-}" = "--fuzz" ]; then
+  pkgs_main+=(clang libclang-rt-14-dev)
+fi
 
 version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
 
