@@ -465,6 +465,7 @@ void TrainStateReader::load_metadata() {
       return detail::json_integer<T>(j, what);
     } catch (const Error& e) {
       corrupt(e.message());
+      __builtin_unreachable();  // corrupt throws
     }
   };
   const auto integers = [&](const json& j, std::string_view what) {
@@ -472,6 +473,7 @@ void TrainStateReader::load_metadata() {
       return detail::json_integers<int64_t>(j, what);
     } catch (const Error& e) {
       corrupt(e.message());
+      __builtin_unreachable();  // corrupt throws
     }
   };
   json meta;
@@ -538,12 +540,6 @@ void TrainStateReader::load_metadata() {
       }
       std::sort(e.pieces.begin(), e.pieces.end(),
                 [](const detail::SavedPiece& a, const detail::SavedPiece& b) { return a.begin < b.begin; });
-      int64_t numel = 0;
-      try {
-        numel = e.shape.numel();
-      } catch (const Error& x) {
-        corrupt("tensor '", name, "': ", x.message());
-      }
       if (std::string err = detail::tiling_error(name, numel, e.pieces); !err.empty()) corrupt(err);
       tensors_.emplace(name, std::move(e));
     }
