@@ -5,7 +5,7 @@
 //
 // Shapes: Hq = Hkv = 16 heads, causal self-attention, sequences of equal
 // length (so that torch's padded batch does exactly the same work):
-//   hd128: 1 x 4096 and 4 x 1024 tokens       hd64: 1 x 2048 and 4 x 512
+//   hd128: 1 x 4096, 1 x 16384 and 4 x 1024    hd64: 1 x 2048 and 4 x 512
 //   hd80, hd256: 1 x 2048 (Qwen2.5-VL's vision tower; the largest head dim)
 // The two numbers, per call (pairs = sum over sequences of L (L + 1) / 2, the
 // (query, key) pairs the causal mask keeps):
@@ -61,7 +61,7 @@ struct AttnShape {
   int64_t head_dim, seqs, seqlen;
 };
 
-constexpr AttnShape kShapes[] = {{128, 1, 4096}, {128, 4, 1024}, {64, 1, 2048},
+constexpr AttnShape kShapes[] = {{128, 1, 4096}, {128, 1, 16384}, {128, 4, 1024}, {64, 1, 2048},
                                  {64, 4, 512},   {80, 1, 2048},  {256, 1, 2048}};
 
 enum class Op { fwd, bwd, fwdbwd };
@@ -107,8 +107,14 @@ Problem& problem(const AttnShape& s) {
   return *g_problem;
 }
 
+// The /mma rows: the mma.sync forward forced (AttentionKernel::mma_sync), the
+// Hopper kernel's before / after in the same run.
+slime::ops::AttentionKernel g_kernel = slime::ops::AttentionKernel::automatic;
+
 void forward(Problem& p) {
-  slime::ops::attention_forward(p.q, p.k, p.v, p.cu, p.cu, p.shape.seqlen, p.shape.seqlen, p.o, p.lse, {}, p.stream);
+  slime::ops::AttentionOptions opt;
+  opt.kernel = g_kernel;
+  slime::ops::attention_forward(p.q, p.k, p.v, p.cu, p.cu, p.shape.seqlen, p.shape.seqlen, p.o, p.lse, opt, p.stream);
 }
 // The /det rows: AttentionOptions::deterministic (dq summed in key-block order).
 bool g_deterministic = false;
@@ -197,13 +203,16 @@ std::string check_once(Problem& p, Op op) {
   return "";
 }
 
-void run_attention(benchmark::State& state, AttnShape s, Op op, bool deterministic = false) {
+void run_attention(benchmark::State& state, AttnShape s, Op op, bool deterministic = false,
+                   slime::ops::AttentionKernel kernel = slime::ops::AttentionKernel::automatic) {
   if (slime::bench::skip_without_cuda(state)) return;
   g_deterministic = deterministic;
+  g_kernel = kernel;
   slime::bench::run_or_skip(state, [&] {
     Problem& p = problem(s);
     static std::map<std::string, std::string> verdicts;
-    if (!slime::bench::passed_check(state, verdicts, shape_name(s) + op_name(op) + (deterministic ? "det" : ""),
+    if (!slime::bench::passed_check(state, verdicts, shape_name(s) + op_name(op) + (deterministic ? "det" : "") +
+                                                        (kernel == slime::ops::AttentionKernel::mma_sync ? "mma" : ""),
                                     [&] { return check_once(p, op); }))
       return;
     if (op == Op::bwd) forward(p);
@@ -221,6 +230,11 @@ int main(int argc, char** argv) {
       slime::bench::register_manual(
           name, [s, op](benchmark::State& st) { run_attention(st, s, op); }, benchmark::kMicrosecond, kIterations,
           kRepetitions);
+      if (op == Op::fwd)  // the mma.sync forward, before the Hopper kernel
+        slime::bench::register_manual(
+            name + "/mma",
+            [s, op](benchmark::State& st) { run_attention(st, s, op, false, slime::ops::AttentionKernel::mma_sync); },
+            benchmark::kMicrosecond, kIterations, kRepetitions);
       if (op != Op::fwd)  // the deterministic backward's cost
         slime::bench::register_manual(
             name + "/det", [s, op](benchmark::State& st) { run_attention(st, s, op, true); }, benchmark::kMicrosecond,

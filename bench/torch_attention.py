@@ -44,7 +44,7 @@ import bench_util  # noqa: E402  (bench/, beside this script)
 
 HEADS = 16
 # (head_dim, sequences, tokens per sequence), as in bench_attention.cu.
-SHAPES = [(128, 1, 4096), (128, 4, 1024), (64, 1, 2048), (64, 4, 512), (80, 1, 2048), (256, 1, 2048)]
+SHAPES = [(128, 1, 4096), (128, 1, 16384), (128, 4, 1024), (64, 1, 2048), (64, 4, 512), (80, 1, 2048), (256, 1, 2048)]
 BACKENDS = [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]
 
 
@@ -124,13 +124,17 @@ def main():
         for d, b, s in SHAPES:
             for op in ("fwd", "bwd", "fwdbwd"):
                 name = bench_name(d, b, s, op, "flash")
-                sl = slime.get(name)
-                cells = [f"{sl:8.1f}" if sl else f"{'-':>8}"]
-                for backend, _ in BACKENDS:
-                    t = by_name.get(bench_name(d, b, s, op, backend), {}).get("tflops")
-                    cells.append(f"{t:8.1f}" if t else f"{'-':>8}")
-                    cells.append(f"{sl / t:6.2f}" if sl and t else f"{'-':>6}")
-                print(f"{name:<34} " + " ".join(cells))
+                # "/mma": slime's mma.sync forward forced (AttentionKernel::mma_sync), same torch rows.
+                for slime_name in [name] + ([name + "/mma"] if op == "fwd" else []):
+                    sl = slime.get(slime_name)
+                    if slime_name != name and not sl:
+                        continue
+                    cells = [f"{sl:8.1f}" if sl else f"{'-':>8}"]
+                    for backend, _ in BACKENDS:
+                        t = by_name.get(bench_name(d, b, s, op, backend), {}).get("tflops")
+                        cells.append(f"{t:8.1f}" if t else f"{'-':>8}")
+                        cells.append(f"{sl / t:6.2f}" if sl and t else f"{'-':>6}")
+                    print(f"{slime_name:<34} " + " ".join(cells))
     return 1 if any("error" in r for r in rows if r["backend"] == "flash") else 0
 
 

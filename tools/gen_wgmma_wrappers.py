@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes the wgmma.mma_async wrappers of src/ops/sm90.cuh (between its
-"generated" markers) for N = 64, 128, 256: one inline-asm statement per shape
+"generated" markers) for N = 64, 128, 256 (and N = 64, 128 with A from registers): one inline-asm statement per shape
 with N / 2 fp32 accumulator operands, too long to write by hand.
 Usage: tools/gen_wgmma_wrappers.py  (rewrites src/ops/sm90.cuh in place)."""
 import pathlib
@@ -18,6 +18,25 @@ __device__ __forceinline__ void wgmma_m64n{n}k16(float (&d)[{regs}], uint64_t de
       "%{regs}, %{regs+1}, p, 1, 1, %{regs+3}, %{regs+4};\\n}}\\n"
       : {outs}
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+}}
+""")
+# Register-A variants (A = 4 x b32 registers per thread, the layout of an
+# m64n16 fp32 accumulator packed to bf16 pairs; B from shared memory): the
+# attention forward's P V, P straight from the S accumulators.
+for n in (64,128):
+    regs=n//2
+    dl=", ".join(f"%{i}" for i in range(regs))
+    al=", ".join(f"%{regs+i}" for i in range(4))
+    outs=",\n        ".join(", ".join(f'"+f"(d[{i}])' for i in range(j, min(j+8, regs))) for j in range(0, regs, 8))
+    out.append(f"""template <int kTransB>
+__device__ __forceinline__ void wgmma_m64n{n}k16_rs(float (&d)[{regs}], const uint32_t (&a)[4], uint64_t desc_b,
+                                                  int scale_d) {{
+  asm volatile(
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs+5}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{dl}}}, "
+      "{{{al}}}, %{regs+4}, p, 1, 1, %{regs+6};\\n}}\\n"
+      : {outs}
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB));
 }}
 """)
 path = pathlib.Path(__file__).resolve().parent.parent / "src/ops/sm90.cuh"

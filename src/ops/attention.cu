@@ -10,6 +10,7 @@
 namespace slime::ops::cuda {
 
 void attention_forward(const AttentionForwardParams& p, StreamHandle stream) {
+  if (detail::attention_forward_sm90(p, stream)) return;
   visit_head_dim(p.head_dim, [&](auto hd) { detail::attention_forward_launch<decltype(hd)::value>(p, stream); });
 }
 

@@ -53,6 +53,7 @@
 #include "slime/core/error.hpp"
 #include "slime/ops/cuda/grouped_gemm.hpp"
 #include "sm90.cuh"
+#include "tensor_map.hpp"
 
 namespace slime::ops::cuda {
 
@@ -412,33 +413,11 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
 
 // ---- tensor maps --------------------------------------------------------------------
 
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    SLIME_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
-    SLIME_CHECK(q == cudaDriverEntryPointSuccess && f != nullptr,
-                "grouped_gemm: the CUDA driver has no cuTensorMapEncodeTiled (driver too old for TMA)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-// A bf16 tensor map, 128-byte swizzle, over `rank` dims (innermost first,
-// element counts) with byte strides of dims 1.. and a box of `box` elements.
+// A bf16 (or f32) tensor map, 128-byte swizzle (tensor_map.hpp).
 CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* dims, const uint64_t* strides,
                             const uint32_t* box, CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
-  CUtensorMap m;
-  const uint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = tensor_map_encoder()(
-      &m, dtype, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  SLIME_CHECK(r == CUDA_SUCCESS, "grouped_gemm: cuTensorMapEncodeTiled failed (error ", int(r), ", rank ", rank,
-              ", dims ", dims[0], " x ", dims[1], rank > 2 ? " x ..." : "", ")");
-  return m;
+  return ::slime::ops::detail::tma::make_tensor_map("grouped_gemm", base, rank, dims, strides, box, dtype);
 }
-
 CUtensorMap map_2d(const void* base, uint64_t inner, uint64_t outer, uint32_t box_inner, uint32_t box_outer,
                    bool f32 = false) {
   const uint64_t dims[2] = {inner, outer}, strides[1] = {inner * (f32 ? 4 : 2)};
@@ -550,23 +529,7 @@ bool grouped_gemm_sm90_built() {
 #endif
 }
 
-bool grouped_gemm_sm90_device() {
-  if (!grouped_gemm_sm90_built()) return false;
-  static std::atomic<int> cached[64] = {};  // 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  SLIME_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) return false;
-  int v = cached[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    int major = 0, minor = 0;
-    SLIME_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    SLIME_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-    v = major == 9 && minor == 0 ? 1 : 2;
-    cached[dev].store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
-
+bool grouped_gemm_sm90_device() { return ::slime::ops::detail::tma::sm90_device(); }
 // SLIME_GROUPED_GEMM_SM90=0 keeps the automatic choice on the mma.sync
 // kernels (the before/after benchmarks); forced sm90 tiles still run.
 bool grouped_gemm_sm90_auto() {

@@ -188,6 +188,35 @@ TEST_CASE("attention on CUDA matches the CPU reference", "[ops][attention][gpu]"
   }
 }
 
+// Both forward kernels at head_dim 64 and 128, each forced (the test above
+// runs the automatic choice: the Hopper kernel on an H200). The backward is
+// the same in both runs; it is checked on each forward's o and lse.
+TEST_CASE("attention on CUDA: the mma.sync and the Hopper (sm90) forward each match the CPU reference",
+          "[ops][attention][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device dev = Device::cuda(0);
+  std::vector<AttentionKernel> kernels = {AttentionKernel::mma_sync};
+  if (cuda::attention_sm90_available()) kernels.push_back(AttentionKernel::sm90);
+  uint64_t seed = 3000;
+  for (AttentionKernel kernel : kernels) {
+    for (int64_t d : {64, 128}) {
+      for (Case c : cases()) {
+        INFO((kernel == AttentionKernel::sm90 ? "sm90" : "mma_sync") << ", head_dim " << d << ", " << c.name);
+        c.opt.kernel = kernel;
+        seed += 10;
+        check_case(c, d, seed, dev);
+      }
+    }
+  }
+  // A forced Hopper kernel where it cannot run is an error, not a fallback.
+  AttentionOptions opt;
+  opt.kernel = AttentionKernel::sm90;
+  const Tensor q = random_bf16({5, 2, 32}, 1, dev), o = Tensor::empty({5, 2, 32}, DType::bf16, dev);
+  const Tensor lse = Tensor::empty({5, 2}, DType::f32, dev), cu = Tensor::from_vector(std::vector<int32_t>{0, 5}, {2}, dev);
+  CHECK_THROWS_WITH(attention_forward(q, q, q, cu, cu, 5, 5, o, lse, opt),
+                    ContainsSubstring("Hopper forward kernel (AttentionKernel::sm90) cannot run"));
+}
+
 // 32 (the shapes of 64), 72 (tiles of 80, columns past 72 zero-filled), 80
 // (dQ columns split unevenly over the warps), 96, 256 (dK, dV, dQ columns over
 // two CTAs; Q from shared memory in the forward).

@@ -77,7 +77,12 @@ decltype(auto) visit_head_dim(int64_t head_dim, F&& f) {
   SLIME_FAIL("attention on CUDA supports head_dim 32, 64, 72, 80, 96, 128 and 256, got ", head_dim);
 }
 
-// Dispatch on head_dim (visit_head_dim) and mask (options.causal).
+// Whether the Hopper forward kernel (AttentionKernel::sm90) can run on the
+// current device: an sm_90 GPU and a build for sm_90a.
+bool attention_sm90_available();
+
+// Dispatch on head_dim (visit_head_dim) and mask (options.causal); the
+// forward runs the Hopper kernel where options.kernel and the call allow.
 void attention_forward(const AttentionForwardParams& p, StreamHandle stream);
 void attention_backward(const AttentionBackwardParams& p, StreamHandle stream);
 
@@ -88,6 +93,11 @@ void merge_attention_partials(const void* o1, DType o1_dtype, const float* lse1,
                               StreamHandle stream);
 
 namespace detail {
+// The Hopper forward (src/ops/attention_fwd_sm90.cu): runs p and returns true
+// when p.options.kernel and the call allow it (AttentionKernel), else false
+// (the caller runs the mma.sync kernels); throws for a forced sm90 kernel
+// that cannot run p.
+bool attention_forward_sm90(const AttentionForwardParams& p, StreamHandle stream);
 // One explicit instantiation per head dim, each in its own translation unit
 // (src/ops/attention_fwd_hd<D>.cu, attention_bwd_hd<D>.cu).
 template <int kHeadDim>

@@ -1,0 +1,440 @@
+// Hopper (sm_90a) attention forward for slime/ops/cuda/attention.hpp, head_dim
+// 64 and 128: wgmma fed by TMA through an mbarrier pipeline, two consumer
+// warpgroups and one producer warp per CTA (warp specialisation), and the
+// softmax of key block i overlapped with the P V product of block i - 1
+// inside each warpgroup (FlashAttention-3's intra-warpgroup pipelining).
+// Same semantics as the mma.sync forward (attention_kernels.cuh): packed
+// varlen sequences, GQA, CausalMask / FullMask with the causal offset, o bf16
+// and lse f32 out, a row without a visible key gets o = 0, lse = -inf.
+//
+// CTA: 128 query rows of one (sequence, head), keys in blocks of kBN = 128.
+// Consumer warpgroup c (c = 0, 1) owns rows 64 c .. 64 c + 63; warpgroup 2
+// is the producer (one thread issues every copy; setmaxnreg gives its
+// registers to the consumers). Per key block, per warpgroup:
+//   S = Q K^T    wgmma m64n128k16, Q and K from shared memory (both K-major),
+//                d / 16 steps, fp32 accumulators (64 per thread);
+//   softmax      online, in the log2 domain, on the accumulators (the layout:
+//                warp w holds rows 16 w + lane / 4 (+ 8), s[4 j + {0,1}] are
+//                columns 8 j + 2 (lane % 4) + {0, 1}, s[4 j + {2,3}] row + 8);
+//   O += P V     wgmma m64n{d}k16 with A = P from registers (the S
+//                accumulators packed to bf16 pairs are exactly wgmma's
+//                register A fragment) and B = V from shared memory, MN-major.
+// Order per iteration i (key block i in the load order): issue S_i, issue
+// P_{i-1} V_{i-1}, wait for S_i, softmax of S_i (into new registers P_i
+// while P_{i-1} is still being read), wait for P V, rescale O, pack P_i.
+//
+// Shared memory (128-byte swizzle, sm90.cuh), 1024-byte aligned:
+//   Q      [d / 64 boxes][128 rows][128 B]                       16 or 32 KB
+//   K[s]   [d / 64 boxes][kBN keys][128 B]  (K-major B of S)     per stage
+//   V[s]   [d / 64 boxes][kBN keys][128 B]  (MN-major B of P V: the d-boxes
+//          are the 64-wide MN chunks, LBO = kBN * 128 bytes; a k16 step is
+//          16 keys = 2048 bytes)
+// d 128: 2 stages, 161 KB; d 64: 4 stages, 145 KB. One CTA per SM.
+// All three are loaded by TMA from 3-D tensor maps (d, heads, tokens) with a
+// box of {64, 1, rows}: a box never crosses heads. Rows past the tensor are
+// zero-filled; rows past a sequence belong to the next one: queries there
+// are computed and never stored, keys there are masked (-inf) and their
+// P = 0 (V rows there must be finite, which activations are).
+//
+// Causal: key blocks are loaded from the last one down, so the blocks that
+// need the mask come first and the rest run unmasked.
+// Pipeline barriers: q_full; k_full[s] / v_full[s] complete when the stage's
+// bytes land (the producer's arrive with expect_tx); k_empty[s] / v_empty[s]
+// when all 256 consumer threads are done with them.
+//
+// Determinism: each output element is summed by one thread in a fixed order:
+// bitwise run to run; not bitwise equal to the mma.sync kernel (other key
+// order and other k order inside a wgmma).
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+
+#include "slime/core/error.hpp"
+#include "slime/ops/cuda/attention.hpp"
+#include "sm90.cuh"
+#include "tensor_map.hpp"
+
+namespace slime::ops::cuda {
+
+namespace {
+
+using namespace ::slime::ops::detail::sm90;
+using bf16 = __nv_bfloat16;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int kD>
+struct Sm90FwdTile {
+  static_assert(kD == 64 || kD == 128, "the Hopper forward runs head_dim 64 and 128");
+  static constexpr int kBM = 128, kBN = 128;
+  static constexpr int kStages = kD == 64 ? 4 : 2;
+  static constexpr int kBoxes = kD / 64;            // 128-byte column boxes of a row
+  static constexpr int kQBytes = kBM * kD * 2;      // 16 or 32 KB
+  static constexpr int kKVBytes = kBN * kD * 2;     // one K or V stage
+  // Warpgroups 0 and 1 consume, warpgroup 2 produces (one thread issues the
+  // copies). setmaxnreg moves registers from the producer (24) to the
+  // consumers (240): 128 x 24 + 256 x 240 <= 65536.
+  static constexpr int kConsumers = 256, kThreads = kConsumers + 128;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory of a Hopper SM");
+};
+
+template <int N>
+__device__ __forceinline__ void fence_u32(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t r;
+  memcpy(&r, &v, sizeof r);
+  return r;
+}
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <class Mask>
+__device__ __forceinline__ Mask make_mask(const AttentionOptions& opt, int len_q, int len_k) {
+  if constexpr (std::is_same_v<Mask, CausalMask>) {
+    return CausalMask{opt.offset_for(len_q, len_k)};
+  } else {
+    return Mask{};
+  }
+}
+
+// As the mma.sync forward's check, a broken cu_seqlens invariant traps, but
+// without its message: a printf is a function call, and ptxas serialises
+// every wgmma of a kernel that makes one (the host API validates
+// cu_seqlens before it launches; ops/host_checks.hpp).
+__device__ __forceinline__ void check_sequence(const int32_t* cu, int b, int num_seqs, int total, int len,
+                                               int max_len) {
+  const bool bad = len < 0 || len > max_len || (b == 0 && cu[0] != 0) || (b == num_seqs - 1 && cu[num_seqs] != total);
+  if (bad) __trap();
+}
+
+// S = Q K^T for this warpgroup's 64 rows: q = its rows in box 0, k = the stage.
+template <class T>
+__device__ __forceinline__ void issue_qk(float (&s)[T::kBN / 2], const unsigned char* q, const unsigned char* k) {
+#pragma unroll
+  for (int kk = 0; kk < T::kBoxes * 4; ++kk) {
+    const uint64_t da = make_desc_sw128(q + (kk / 4) * (T::kBM * 128) + (kk % 4) * 32, 16, 1024);
+    const uint64_t db = make_desc_sw128(k + (kk / 4) * (T::kBN * 128) + (kk % 4) * 32, 16, 1024);
+    wgmma_m64n128k16<0, 0>(s, da, db, kk > 0 ? 1 : 0);
+  }
+}
+
+// O += P V: p = P as register A fragments (one per 16 keys), v = the stage.
+template <class T, int kD>
+__device__ __forceinline__ void issue_pv(float (&o)[kD / 2], const uint32_t (&p)[T::kBN / 16][4],
+                                         const unsigned char* v) {
+#pragma unroll
+  for (int kk = 0; kk < T::kBN / 16; ++kk) {
+    const uint64_t db = make_desc_sw128(v + kk * 2048, T::kBN * 128, 1024);
+    if constexpr (kD == 128) {
+      wgmma_m64n128k16_rs<1>(o, p[kk], db, 1);
+    } else {
+      wgmma_m64n64k16_rs<1>(o, p[kk], db, 1);
+    }
+  }
+}
+
+template <int kD, class Mask>
+__global__ void __launch_bounds__(Sm90FwdTile<kD>::kThreads, 1)
+    attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                              const __grid_constant__ CUtensorMap map_v, const AttentionForwardParams p) {
+#if SLIME_SM90A
+  using T = Sm90FwdTile<kD>;
+  constexpr int kBM = T::kBM, kBN = T::kBN, kStages = T::kStages, kBoxes = T::kBoxes;
+  extern __shared__ __align__(1024) unsigned char fwd_smem_raw[];
+  __shared__ __align__(8) uint64_t q_full;
+  __shared__ __align__(8) uint64_t k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
+  unsigned char* smem = fwd_smem_raw + ((1024 - (smem_u32(fwd_smem_raw) & 1023)) & 1023);
+  unsigned char* sQ = smem;
+  unsigned char* sK = sQ + T::kQBytes;             // [kStages][kKVBytes]
+  unsigned char* sV = sK + kStages * T::kKVBytes;  // [kStages][kKVBytes]
+
+  // The longest causal rows (highest block index) start first.
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
+  const int b = blockIdx.y, h = blockIdx.z;
+  const int q0 = p.cu_seqlens_q[b], len_q = p.cu_seqlens_q[b + 1] - q0;
+  const int k0 = p.cu_seqlens_k[b], len_k = p.cu_seqlens_k[b + 1] - k0;
+  if (blockIdx.x == 0 && h == 0 && threadIdx.x == 0) {
+    check_sequence(p.cu_seqlens_q, b, p.num_seqs, p.tokens_q, len_q, p.max_seqlen_q);
+    check_sequence(p.cu_seqlens_k, b, p.num_seqs, p.tokens_k, len_k, 0x7fffffff);
+  }
+  const int row0 = m_block * kBM;
+  if (row0 >= len_q) return;  // uniform over the CTA, before any barrier
+
+  const int tid = threadIdx.x;
+  const int hk = h / (p.heads_q / p.heads_kv);
+  const Mask mask = make_mask<Mask>(p.options, len_q, len_k);
+  const int rows_here = min(kBM, len_q - row0);
+  // Keys [0, key_end) are seen by some row of this block; keys [0, full_end)
+  // by every row.
+  const int key_end = mask.key_end(row0 + rows_here - 1, len_k);
+  const int full_end = mask.key_end(row0, len_k);
+  const int n_blocks = (key_end + kBN - 1) / kBN;
+
+  if (tid == 0) {
+    mbar_init(&q_full, 1);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&k_full[s], 1);
+      mbar_init(&v_full[s], 1);
+      mbar_init(&k_empty[s], T::kConsumers);
+      mbar_init(&v_empty[s], T::kConsumers);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (tid >= T::kConsumers) {
+    // ---- producer: Q once, then K and V of key block n_blocks - 1 down to 0
+    setmaxnreg_dec<T::kProducerRegs>();
+    if (tid == T::kConsumers && n_blocks > 0) {
+      tma_prefetch_descriptor(&map_q);
+      tma_prefetch_descriptor(&map_k);
+      tma_prefetch_descriptor(&map_v);
+      mbar_arrive_expect_tx(&q_full, T::kQBytes);
+#pragma unroll
+      for (int j = 0; j < kBoxes; ++j) tma_load_3d(sQ + j * (kBM * 128), &map_q, &q_full, 64 * j, h, q0 + row0);
+      for (int i = 0; i < n_blocks; ++i) {
+        const int s = i % kStages;
+        const uint32_t parity = ((i / kStages) & 1) ^ 1;
+        const int key0 = k0 + (n_blocks - 1 - i) * kBN;
+        unsigned char* k = sK + s * T::kKVBytes;
+        unsigned char* v = sV + s * T::kKVBytes;
+        mbar_wait(&k_empty[s], parity);
+        mbar_arrive_expect_tx(&k_full[s], T::kKVBytes);
+#pragma unroll
+        for (int j = 0; j < kBoxes; ++j) tma_load_3d(k + j * (kBN * 128), &map_k, &k_full[s], 64 * j, hk, key0);
+        mbar_wait(&v_empty[s], parity);
+        mbar_arrive_expect_tx(&v_full[s], T::kKVBytes);
+#pragma unroll
+        for (int j = 0; j < kBoxes; ++j) tma_load_3d(v + j * (kBN * 128), &map_v, &v_full[s], 64 * j, hk, key0);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers
+  setmaxnreg_inc<T::kConsumerRegs>();
+  const int c = tid / 128, wq = (tid / 32) & 3, lane = tid & 31;
+  // This thread's rows in the sequence: row_base and row_base + 8.
+  const int row_base = row0 + 64 * c + 16 * wq + (lane >> 2);
+  const float scale_log2 = p.softmax_scale * kLog2e;
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
+  // m_i: running max of the raw scores of rows +0 / +8 (-inf until a visible
+  // key); l_i: this thread's part of the running sum of exp2(s * scale_log2 -
+  // m_i * scale_log2).
+  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+
+  if (n_blocks > 0) {
+    const unsigned char* q = sQ + c * (64 * 128);
+    float s[kBN / 2];
+    uint32_t pa[kBN / 16][4];
+
+    // Mask (when block n holds a key some row must not see), then the online
+    // softmax of s in place: s becomes P; returns the rescale of O and l.
+    auto softmax = [&](int n, float (&corr)[2]) {
+      if ((n + 1) * kBN > full_end) {
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = row_base + 8 * (e >> 1);
+            const int key = n * kBN + 8 * j + 2 * (lane & 3) + (e & 1);
+            if (key >= mask.key_end(row, len_k)) s[4 * j + e] = -INFINITY;
+          }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m_i[r];
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        mx = quad_max(mx);
+        // A row with no visible key yet keeps max -inf; subtracting 0 keeps
+        // every exp2 argument -inf (-> 0) rather than NaN.
+        const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+        corr[r] = exp2f(m_i[r] * scale_log2 - m_scaled);  // 0 while m_i = -inf
+        m_i[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = exp2f(fmaf(s[4 * j + 2 * r + e], scale_log2, -m_scaled));
+            s[4 * j + 2 * r + e] = pv;
+            sum += pv;
+          }
+        l_i[r] = l_i[r] * corr[r] + sum;
+      }
+    };
+    auto pack = [&] {
+#pragma unroll
+      for (int kk = 0; kk < kBN / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+    };
+    auto rescale = [&](const float (&corr)[2]) {
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[4 * j + e] *= corr[e >> 1];
+    };
+
+    mbar_wait(&q_full, 0);
+    // Block 0 of the load order (key block n_blocks - 1).
+    mbar_wait(&k_full[0], 0);
+    wgmma_fence();
+    issue_qk<T>(s, q, sK);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+    mbar_arrive(&k_empty[0]);
+    float corr[2];
+    softmax(n_blocks - 1, corr);  // O is still 0: no rescale
+    pack();
+
+    for (int i = 1; i < n_blocks; ++i) {
+      const int st = i % kStages, prev = (i - 1) % kStages;
+      mbar_wait(&k_full[st], (i / kStages) & 1);
+      wgmma_fence();
+      issue_qk<T>(s, q, sK + st * T::kKVBytes);
+      wgmma_commit();
+      mbar_wait(&v_full[prev], ((i - 1) / kStages) & 1);
+      issue_pv<T, kD>(o, pa, sV + prev * T::kKVBytes);
+      wgmma_commit();
+      wgmma_wait<1>();  // S_i landed; P_{i-1} V_{i-1} may still run
+      fence_registers(s);
+      mbar_arrive(&k_empty[st]);
+      softmax(n_blocks - 1 - i, corr);
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_u32(pa);
+      mbar_arrive(&v_empty[prev]);
+      rescale(corr);
+      pack();
+    }
+    const int last = (n_blocks - 1) % kStages;
+    mbar_wait(&v_full[last], ((n_blocks - 1) / kStages) & 1);
+    wgmma_fence();
+    issue_pv<T, kD>(o, pa, sV + last * T::kKVBytes);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(o);
+    fence_u32(pa);
+    mbar_arrive(&v_empty[last]);
+  }
+
+  // Epilogue: o = acc / l, lse = ln 2 * (m * scale_log2 + log2 l); a row with
+  // no visible key (l = 0) gets o = 0, lse = -inf. Rows past the sequence
+  // are not stored.
+  const int64_t q_stride = int64_t(p.heads_q) * kD;
+  bf16* gO = static_cast<bf16*>(p.o) + int64_t(q0) * q_stride + int64_t(h) * kD;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(l_i[r]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse = l > 0.f ? (m_i[r] * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+    const int row = row_base + 8 * r;
+    if (row < len_q) {
+      bf16* o_row = gO + int64_t(row) * q_stride;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j)
+        *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * (lane & 3)) =
+            pack_bf16(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+      if ((lane & 3) == 0) p.lse[int64_t(q0 + row) * p.heads_q + h] = lse;
+    }
+  }
+#else
+  __trap();  // built without sm_90a; the dispatcher never launches this
+#endif
+}
+
+// A bf16 [tokens, heads, d] tensor as a 3-D map (d, heads, tokens), boxes of
+// {64, 1, rows}.
+CUtensorMap map_heads(const void* base, int64_t tokens, int64_t heads, int d, int rows) {
+  const uint64_t dims[3] = {uint64_t(d), uint64_t(heads), uint64_t(tokens)};
+  const uint64_t strides[2] = {uint64_t(d) * 2, uint64_t(heads) * uint64_t(d) * 2};
+  const uint32_t box[3] = {64, 1, uint32_t(rows)};
+  return ::slime::ops::detail::tma::make_tensor_map("attention (Hopper forward)", base, 3, dims, strides, box);
+}
+
+template <int kD, class Mask>
+void launch_sm90(const AttentionForwardParams& p, cudaStream_t stream) {
+  using T = Sm90FwdTile<kD>;
+  const CUtensorMap mq = map_heads(p.q, p.tokens_q, p.heads_q, kD, T::kBM);
+  const CUtensorMap mk = map_heads(p.k, p.tokens_k, p.heads_kv, kD, T::kBN);
+  const CUtensorMap mv = map_heads(p.v, p.tokens_k, p.heads_kv, kD, T::kBN);
+  auto kernel = attention_fwd_sm90_kernel<kD, Mask>;
+  SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
+  const dim3 grid(unsigned((p.max_seqlen_q + T::kBM - 1) / T::kBM), unsigned(p.num_seqs), unsigned(p.heads_q));
+  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(mq, mk, mv, p);
+  SLIME_CUDA_CHECK_LAUNCH();
+}
+
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+// "" when the Hopper forward can run p, else why not.
+const char* sm90_refusal(const AttentionForwardParams& p) {
+  if (p.head_dim != 64 && p.head_dim != 128) return "it runs head_dim 64 and 128 only";
+  if (!::slime::ops::detail::tma::sm90_device())
+    return "it needs an sm_90 (Hopper) GPU and a build for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a)";
+  if (p.tokens_q == 0 || p.tokens_k == 0) return "it needs at least one query and one key token";
+  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
+    return "its tensor maps need q, k, v and o 16-byte aligned";
+  return "";
+}
+
+bool sm90_env_allows() {
+  static const bool on = [] {
+    const char* v = std::getenv("SLIME_ATTENTION_SM90");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return on;
+}
+
+}  // namespace
+
+bool attention_sm90_available() { return ::slime::ops::detail::tma::sm90_device(); }
+
+bool detail::attention_forward_sm90(const AttentionForwardParams& p, StreamHandle stream) {
+  const AttentionKernel want = p.options.kernel;
+  if (want == AttentionKernel::mma_sync) return false;
+  const char* refusal = sm90_refusal(p);
+  if (want == AttentionKernel::sm90) {
+    SLIME_CHECK(*refusal == '\0', "attention: the Hopper forward kernel (AttentionKernel::sm90) cannot run this call: ",
+                refusal);
+  } else if (*refusal != '\0' || !sm90_env_allows()) {
+    return false;
+  }
+  if (p.num_seqs == 0 || p.max_seqlen_q == 0 || p.heads_q == 0) return true;
+  const bool causal = p.options.causal;
+  if (p.head_dim == 128) {
+    causal ? launch_sm90<128, CausalMask>(p, stream) : launch_sm90<128, FullMask>(p, stream);
+  } else {
+    causal ? launch_sm90<64, CausalMask>(p, stream) : launch_sm90<64, FullMask>(p, stream);
+  }
+  return true;
+}
+
+}  // namespace slime::ops::cuda

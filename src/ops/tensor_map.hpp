@@ -1,0 +1,69 @@
+// src/ops/tensor_map.hpp: private host helpers of the Hopper (sm_90a)
+// kernels: TMA tensor maps (cuTensorMapEncodeTiled, reached through the
+// runtime's driver entry points, so that nothing links libcuda) and whether the
+// current device runs the sm_90a kernels of this build. Not installed.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "slime/core/error.hpp"
+
+namespace slime::ops::detail::tma {
+
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    SLIME_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q));
+    SLIME_CHECK(q == cudaDriverEntryPointSuccess && f != nullptr,
+                "the CUDA driver has no cuTensorMapEncodeTiled (driver too old for TMA)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// A tensor map with the 128-byte swizzle over `rank` dims (innermost first,
+// element counts), byte strides of dims 1.., and a box of `box` elements.
+// `what` names the caller in the error.
+inline CUtensorMap make_tensor_map(const char* what, const void* base, int rank, const uint64_t* dims,
+                                   const uint64_t* strides, const uint32_t* box,
+                                   CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
+  CUtensorMap m;
+  const uint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &m, dtype, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  SLIME_CHECK(r == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed (error ", int(r), ", rank ", rank, ", dims ",
+              dims[0], " x ", dims[1], rank > 2 ? " x ..." : "", ")");
+  return m;
+}
+
+// Whether this build has sm_90a kernels and the current device is an sm_90
+// (Hopper) GPU that runs them; cached per device.
+inline bool sm90_device() {
+#if defined(SLIME_CUDA_SM90A_BUILT)
+  static std::atomic<int> cached[64] = {};  // 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  SLIME_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return false;
+  int v = cached[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    int major = 0, minor = 0;
+    SLIME_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    SLIME_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    v = major == 9 && minor == 0 ? 1 : 2;
+    cached[dev].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+#else
+  return false;
+#endif
+}
+
+}  // namespace slime::ops::detail::tma
