@@ -51,10 +51,10 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <string_view>
 
 #include "slime/core/error.hpp"
+#include "attention_kernels.cuh"
 #include "slime/ops/cuda/attention.hpp"
 #include "sm90.cuh"
 #include "tensor_map.hpp"
@@ -64,10 +64,14 @@ namespace slime::ops::cuda {
 namespace {
 
 using namespace ::slime::ops::detail::sm90;
-using bf16 = __nv_bfloat16;
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+// Shared with the mma.sync kernels (attention_kernels.cuh).
+using attention_impl::bf16;
+using attention_impl::kLn2;
+using attention_impl::kLog2e;
+using attention_impl::make_mask;
+using attention_impl::pack_bf16;
+using attention_impl::quad_max;
+using attention_impl::quad_sum;
 
 template <int kD>
 struct Sm90FwdTile {
@@ -85,38 +89,6 @@ struct Sm90FwdTile {
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory of a Hopper SM");
 };
-
-template <int N>
-__device__ __forceinline__ void fence_u32(uint32_t (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t r;
-  memcpy(&r, &v, sizeof r);
-  return r;
-}
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-template <class Mask>
-__device__ __forceinline__ Mask make_mask(const AttentionOptions& opt, int len_q, int len_k) {
-  if constexpr (std::is_same_v<Mask, CausalMask>) {
-    return CausalMask{opt.offset_for(len_q, len_k)};
-  } else {
-    return Mask{};
-  }
-}
 
 // As the mma.sync forward's check, a broken cu_seqlens invariant traps, but
 // without its message: a printf is a function call, and ptxas serialises
@@ -329,7 +301,7 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD>::kThreads, 1)
       softmax(n_blocks - 1 - i, corr);
       wgmma_wait<0>();
       fence_registers(o);
-      fence_u32(pa);
+      fence_registers(pa);
       mbar_arrive(&v_empty[prev]);
       rescale(corr);
       pack();
@@ -341,7 +313,7 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD>::kThreads, 1)
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(o);
-    fence_u32(pa);
+    fence_registers(pa);
     mbar_arrive(&v_empty[last]);
   }
 

@@ -169,6 +169,15 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// The same for register A fragments (wgmma reads them asynchronously too).
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
 // d[N / 2] (this thread's part of the 64 x N fp32 tile) = (scale_d ? d : 0) +
 // A · B for one m64nNk16 step, bf16 operands in shared memory;
 // kTransA / kTransB = 1 when that operand is MN-major. Accumulator layout:
