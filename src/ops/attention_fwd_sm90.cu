@@ -40,7 +40,11 @@
 // need the mask come first and the rest run unmasked.
 // Pipeline barriers: q_full; k_full[s] / v_full[s] complete when the stage's
 // bytes land (the producer's arrive with expect_tx); k_empty[s] / v_empty[s]
-// when all 256 consumer threads are done with them.
+// when all 8 consumer warps are done with them; q_empty when every Q K^T of
+// the tile is done (the next tile's Q may land while P V and the epilogue run).
+// Persistent: one CTA per SM walks tiles longest-first (sm90_fwd_tile), the
+// K/V stage ring running on across tiles; named barriers 1 and 2 take the two
+// consumer warpgroups' GEMM issue in turns (kSchedBarrier).
 //
 // Determinism: each output element is summed by one thread in a fixed order:
 // bitwise run to run; not bitwise equal to the mma.sync kernel (other key
@@ -50,6 +54,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstdlib>
 #include <string_view>
 
@@ -66,6 +71,7 @@ namespace {
 using namespace ::slime::ops::detail::sm90;
 // Shared with the mma.sync kernels (attention_kernels.cuh).
 using attention_impl::bf16;
+using attention_impl::exp2_ftz;
 using attention_impl::kLn2;
 using attention_impl::kLog2e;
 using attention_impl::make_mask;
@@ -73,18 +79,18 @@ using attention_impl::pack_bf16;
 using attention_impl::quad_max;
 using attention_impl::quad_sum;
 
-template <int kD>
+template <int kD, int kStagesT>
 struct Sm90FwdTile {
   static_assert(kD == 64 || kD == 128, "the Hopper forward runs head_dim 64 and 128");
   static constexpr int kBM = 128, kBN = 128;
-  static constexpr int kStages = kD == 64 ? 4 : 2;
+  static constexpr int kStages = kStagesT;
   static constexpr int kBoxes = kD / 64;            // 128-byte column boxes of a row
   static constexpr int kQBytes = kBM * kD * 2;      // 16 or 32 KB
   static constexpr int kKVBytes = kBN * kD * 2;     // one K or V stage
   // Warpgroups 0 and 1 consume, warpgroup 2 produces (one thread issues the
   // copies). setmaxnreg moves registers from the producer (24) to the
   // consumers (240): 128 x 24 + 256 x 240 <= 65536.
-  static constexpr int kConsumers = 256, kThreads = kConsumers + 128;
+  static constexpr int kConsumers = 256, kConsumerWarps = kConsumers / 32, kThreads = kConsumers + 128;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "fits the 227 KB of shared memory of a Hopper SM");
@@ -126,80 +132,132 @@ __device__ __forceinline__ void issue_pv(float (&o)[kD / 2], const uint32_t (&p)
   }
 }
 
-template <int kD, class Mask>
-__global__ void __launch_bounds__(Sm90FwdTile<kD>::kThreads, 1)
+// One work tile: 128 query rows (m_block) of one (sequence, head). Tiles are
+// numbered longest-first: tile t has m_block = m_blocks - 1 - t / (seqs x
+// heads), then sequence, then head; CTAs take them in rounds of gridDim.x,
+// in a snake order (snake_tile), which hands every CTA about the same causal
+// work. The producer and
+// the consumers walk the same tiles and compute the same Tile, so they agree
+// on which tiles load anything.
+struct Sm90FwdTileInfo {
+  int b, h, q0, len_q, k0, len_k, row0;
+  int full_end, n_blocks;  // keys [0, full_end) seen by every row; key blocks to visit
+  bool has_rows;           // row0 < len_q: the tile stores rows
+};
+
+template <int kBM, int kBN, class Mask>
+__device__ __forceinline__ Sm90FwdTileInfo sm90_fwd_tile(const AttentionForwardParams& p, int t, int m_blocks) {
+  Sm90FwdTileInfo ti;
+  const int per_m = p.num_seqs * p.heads_q;
+  const int m_block = m_blocks - 1 - t / per_m;
+  const int r = t % per_m;
+  ti.b = r / p.heads_q;
+  ti.h = r % p.heads_q;
+  ti.q0 = p.cu_seqlens_q[ti.b];
+  ti.len_q = p.cu_seqlens_q[ti.b + 1] - ti.q0;
+  ti.k0 = p.cu_seqlens_k[ti.b];
+  ti.len_k = p.cu_seqlens_k[ti.b + 1] - ti.k0;
+  ti.row0 = m_block * kBM;
+  ti.has_rows = ti.row0 < ti.len_q;
+  ti.full_end = 0;
+  ti.n_blocks = 0;
+  if (ti.has_rows) {
+    const Mask mask = make_mask<Mask>(p.options, ti.len_q, ti.len_k);
+    const int rows_here = min(kBM, ti.len_q - ti.row0);
+    const int key_end = mask.key_end(ti.row0 + rows_here - 1, ti.len_k);
+    ti.full_end = mask.key_end(ti.row0, ti.len_k);
+    ti.n_blocks = (key_end + kBN - 1) / kBN;
+  }
+  return ti;
+}
+
+// Named barriers 1 and 2 order the two consumer warpgroups' wgmma issue
+// (FlashAttention-3's "ping-pong"): warpgroup c issues a key block's two
+// GEMMs only after barrier 1 + c, then opens the other's, so one warpgroup's
+// softmax runs while the other's GEMMs use the tensor cores.
+constexpr int kSchedBarrier = 1, kSchedThreads = 256;
+
+template <int kD, int kStagesT, class Mask>
+__global__ void __launch_bounds__(Sm90FwdTile<kD, kStagesT>::kThreads, 1)
     attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
-                              const __grid_constant__ CUtensorMap map_v, const AttentionForwardParams p) {
+                              const __grid_constant__ CUtensorMap map_v, const AttentionForwardParams p,
+                              const int m_blocks, const int num_tiles) {
 #if SLIME_SM90A
-  using T = Sm90FwdTile<kD>;
+  using T = Sm90FwdTile<kD, kStagesT>;
   constexpr int kBM = T::kBM, kBN = T::kBN, kStages = T::kStages, kBoxes = T::kBoxes;
   extern __shared__ __align__(1024) unsigned char fwd_smem_raw[];
-  __shared__ __align__(8) uint64_t q_full;
+  __shared__ __align__(8) uint64_t q_full, q_empty;
   __shared__ __align__(8) uint64_t k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
   unsigned char* smem = fwd_smem_raw + ((1024 - (smem_u32(fwd_smem_raw) & 1023)) & 1023);
   unsigned char* sQ = smem;
   unsigned char* sK = sQ + T::kQBytes;             // [kStages][kKVBytes]
   unsigned char* sV = sK + kStages * T::kKVBytes;  // [kStages][kKVBytes]
-
-  // The longest causal rows (highest block index) start first.
-  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
-  const int b = blockIdx.y, h = blockIdx.z;
-  const int q0 = p.cu_seqlens_q[b], len_q = p.cu_seqlens_q[b + 1] - q0;
-  const int k0 = p.cu_seqlens_k[b], len_k = p.cu_seqlens_k[b + 1] - k0;
-  if (blockIdx.x == 0 && h == 0 && threadIdx.x == 0) {
-    check_sequence(p.cu_seqlens_q, b, p.num_seqs, p.tokens_q, len_q, p.max_seqlen_q);
-    check_sequence(p.cu_seqlens_k, b, p.num_seqs, p.tokens_k, len_k, 0x7fffffff);
-  }
-  const int row0 = m_block * kBM;
-  if (row0 >= len_q) return;  // uniform over the CTA, before any barrier
-
   const int tid = threadIdx.x;
-  const int hk = h / (p.heads_q / p.heads_kv);
-  const Mask mask = make_mask<Mask>(p.options, len_q, len_k);
-  const int rows_here = min(kBM, len_q - row0);
-  // Keys [0, key_end) are seen by some row of this block; keys [0, full_end)
-  // by every row.
-  const int key_end = mask.key_end(row0 + rows_here - 1, len_k);
-  const int full_end = mask.key_end(row0, len_k);
-  const int n_blocks = (key_end + kBN - 1) / kBN;
+  // This CTA's tile of round r: the tiles of a round go to the CTAs in
+  // alternating directions (a snake), so that the CTA that got the longest
+  // tile of one round gets the shortest of the next; a plain stride gives CTA
+  // 0 the longest tile of every round.
+  auto snake_tile = [&](int round) {
+    const int j = (round & 1) ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+    return int(min(int64_t(round) * gridDim.x + j, int64_t(0x7fffffff)));
+  };
 
   if (tid == 0) {
     mbar_init(&q_full, 1);
+    mbar_init(&q_empty, T::kConsumerWarps);
 #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
-      mbar_init(&k_empty[s], T::kConsumers);
-      mbar_init(&v_empty[s], T::kConsumers);
+      mbar_init(&k_empty[s], T::kConsumerWarps);
+      mbar_init(&v_empty[s], T::kConsumerWarps);
     }
     mbar_init_fence();
   }
   __syncthreads();
 
   if (tid >= T::kConsumers) {
-    // ---- producer: Q once, then K and V of key block n_blocks - 1 down to 0
+    // ---- producer: per tile, Q (once the consumers are done with the last
+    // one), then K and V of key block n_blocks - 1 down to 0. The stage ring
+    // runs on across tiles (kv counts every block loaded), so the next tile's
+    // first blocks load while the consumers finish this one.
     setmaxnreg_dec<T::kProducerRegs>();
-    if (tid == T::kConsumers && n_blocks > 0) {
+    if (tid == T::kConsumers) {
       tma_prefetch_descriptor(&map_q);
       tma_prefetch_descriptor(&map_k);
       tma_prefetch_descriptor(&map_v);
-      mbar_arrive_expect_tx(&q_full, T::kQBytes);
+      uint32_t kv = 0, q_loads = 0;
+      for (int round = 0;; ++round) {
+        const int t = snake_tile(round);
+        if (t >= num_tiles) break;
+        const Sm90FwdTileInfo ti = sm90_fwd_tile<kBM, kBN, Mask>(p, t, m_blocks);
+        if (ti.row0 == 0 && ti.h == 0) {
+          check_sequence(p.cu_seqlens_q, ti.b, p.num_seqs, p.tokens_q, ti.len_q, p.max_seqlen_q);
+          check_sequence(p.cu_seqlens_k, ti.b, p.num_seqs, p.tokens_k, ti.len_k, 0x7fffffff);
+        }
+        if (ti.n_blocks == 0) continue;
+        const int hk = ti.h / (p.heads_q / p.heads_kv);
+        mbar_wait(&q_empty, (q_loads & 1) ^ 1);
+        ++q_loads;
+        mbar_arrive_expect_tx(&q_full, T::kQBytes);
 #pragma unroll
-      for (int j = 0; j < kBoxes; ++j) tma_load_3d(sQ + j * (kBM * 128), &map_q, &q_full, 64 * j, h, q0 + row0);
-      for (int i = 0; i < n_blocks; ++i) {
-        const int s = i % kStages;
-        const uint32_t parity = ((i / kStages) & 1) ^ 1;
-        const int key0 = k0 + (n_blocks - 1 - i) * kBN;
-        unsigned char* k = sK + s * T::kKVBytes;
-        unsigned char* v = sV + s * T::kKVBytes;
-        mbar_wait(&k_empty[s], parity);
-        mbar_arrive_expect_tx(&k_full[s], T::kKVBytes);
+        for (int j = 0; j < kBoxes; ++j)
+          tma_load_3d(sQ + j * (kBM * 128), &map_q, &q_full, 64 * j, ti.h, ti.q0 + ti.row0);
+        for (int i = 0; i < ti.n_blocks; ++i, ++kv) {
+          const int s = kv % kStages;
+          const uint32_t parity = ((kv / kStages) & 1) ^ 1;
+          const int key0 = ti.k0 + (ti.n_blocks - 1 - i) * kBN;
+          unsigned char* k = sK + s * T::kKVBytes;
+          unsigned char* v = sV + s * T::kKVBytes;
+          mbar_wait(&k_empty[s], parity);
+          mbar_arrive_expect_tx(&k_full[s], T::kKVBytes);
 #pragma unroll
-        for (int j = 0; j < kBoxes; ++j) tma_load_3d(k + j * (kBN * 128), &map_k, &k_full[s], 64 * j, hk, key0);
-        mbar_wait(&v_empty[s], parity);
-        mbar_arrive_expect_tx(&v_full[s], T::kKVBytes);
+          for (int j = 0; j < kBoxes; ++j) tma_load_3d(k + j * (kBN * 128), &map_k, &k_full[s], 64 * j, hk, key0);
+          mbar_wait(&v_empty[s], parity);
+          mbar_arrive_expect_tx(&v_full[s], T::kKVBytes);
 #pragma unroll
-        for (int j = 0; j < kBoxes; ++j) tma_load_3d(v + j * (kBN * 128), &map_v, &v_full[s], 64 * j, hk, key0);
+          for (int j = 0; j < kBoxes; ++j) tma_load_3d(v + j * (kBN * 128), &map_v, &v_full[s], 64 * j, hk, key0);
+        }
       }
     }
     return;
@@ -208,135 +266,162 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD>::kThreads, 1)
   // ---- consumers
   setmaxnreg_inc<T::kConsumerRegs>();
   const int c = tid / 128, wq = (tid / 32) & 3, lane = tid & 31;
-  // This thread's rows in the sequence: row_base and row_base + 8.
-  const int row_base = row0 + 64 * c + 16 * wq + (lane >> 2);
   const float scale_log2 = p.softmax_scale * kLog2e;
-  float o[kD / 2];
-#pragma unroll
-  for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
-  // m_i: running max of the raw scores of rows +0 / +8 (-inf until a visible
-  // key); l_i: this thread's part of the running sum of exp2(s * scale_log2 -
-  // m_i * scale_log2).
-  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+  const unsigned char* q = sQ + c * (64 * 128);
+  // One arrival per warp on the empty barriers: a warp's wgmma wait covers
+  // its lanes.
+  auto release = [&](uint64_t* bar) { mbar_arrive_if(bar, lane == 0); };
+  // Warpgroup 0 issues first: warpgroup 1 opens its barrier once.
+  if (c == 1) named_barrier_arrive(kSchedBarrier, kSchedThreads);
+  uint32_t kv = 0, q_loads = 0;
 
-  if (n_blocks > 0) {
-    const unsigned char* q = sQ + c * (64 * 128);
-    float s[kBN / 2];
-    uint32_t pa[kBN / 16][4];
+  for (int round = 0;; ++round) {
+    const int t = snake_tile(round);
+    if (t >= num_tiles) break;
+    const Sm90FwdTileInfo ti = sm90_fwd_tile<kBM, kBN, Mask>(p, t, m_blocks);
+    if (!ti.has_rows) continue;  // the same on every thread
+    const Mask mask = make_mask<Mask>(p.options, ti.len_q, ti.len_k);
+    const int n_blocks = ti.n_blocks, full_end = ti.full_end, len_k = ti.len_k;
+    // This thread's rows in the sequence: row_base and row_base + 8.
+    const int row_base = ti.row0 + 64 * c + 16 * wq + (lane >> 2);
+    float o[kD / 2];
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
+    // m_i: running max of the raw scores of rows +0 / +8 (-inf until a visible
+    // key); l_i: this thread's part of the running sum of exp2(s * scale_log2 -
+    // m_i * scale_log2).
+    float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
 
-    // Mask (when block n holds a key some row must not see), then the online
-    // softmax of s in place: s becomes P; returns the rescale of O and l.
-    auto softmax = [&](int n, float (&corr)[2]) {
-      if ((n + 1) * kBN > full_end) {
-#pragma unroll
-        for (int j = 0; j < kBN / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = row_base + 8 * (e >> 1);
-            const int key = n * kBN + 8 * j + 2 * (lane & 3) + (e & 1);
-            if (key >= mask.key_end(row, len_k)) s[4 * j + e] = -INFINITY;
-          }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = m_i[r];
-#pragma unroll
-        for (int j = 0; j < kBN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-        mx = quad_max(mx);
-        // A row with no visible key yet keeps max -inf; subtracting 0 keeps
-        // every exp2 argument -inf (-> 0) rather than NaN.
-        const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-        corr[r] = exp2f(m_i[r] * scale_log2 - m_scaled);  // 0 while m_i = -inf
-        m_i[r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < kBN / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pv = exp2f(fmaf(s[4 * j + 2 * r + e], scale_log2, -m_scaled));
-            s[4 * j + 2 * r + e] = pv;
-            sum += pv;
-          }
-        l_i[r] = l_i[r] * corr[r] + sum;
-      }
-    };
-    auto pack = [&] {
-#pragma unroll
-      for (int kk = 0; kk < kBN / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-    };
-    auto rescale = [&](const float (&corr)[2]) {
-#pragma unroll
-      for (int j = 0; j < kD / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[4 * j + e] *= corr[e >> 1];
-    };
+    if (n_blocks > 0) {
+      float s[kBN / 2];
+      uint32_t pa[kBN / 16][4];
 
-    mbar_wait(&q_full, 0);
-    // Block 0 of the load order (key block n_blocks - 1).
-    mbar_wait(&k_full[0], 0);
-    wgmma_fence();
-    issue_qk<T>(s, q, sK);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(s);
-    mbar_arrive(&k_empty[0]);
-    float corr[2];
-    softmax(n_blocks - 1, corr);  // O is still 0: no rescale
-    pack();
+      // Mask (when block n holds a key some row must not see), then the online
+      // softmax of s in place: s becomes P; returns the rescale of O and l.
+      auto softmax = [&](int n, float (&corr)[2]) {
+        if ((n + 1) * kBN > full_end) {
+#pragma unroll
+          for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int row = row_base + 8 * (e >> 1);
+              const int key = n * kBN + 8 * j + 2 * (lane & 3) + (e & 1);
+              if (key >= mask.key_end(row, len_k)) s[4 * j + e] = -INFINITY;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          float mx = m_i[r];
+#pragma unroll
+          for (int j = 0; j < kBN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+          mx = quad_max(mx);
+          // A row with no visible key yet keeps max -inf; subtracting 0 keeps
+          // every exp2 argument -inf (-> 0) rather than NaN.
+          const float m_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+          corr[r] = exp2f(m_i[r] * scale_log2 - m_scaled);  // 0 while m_i = -inf
+          m_i[r] = mx;
+          float sum = 0.f;
+#pragma unroll
+          for (int j = 0; j < kBN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pv = exp2_ftz(fmaf(s[4 * j + 2 * r + e], scale_log2, -m_scaled));
+              s[4 * j + 2 * r + e] = pv;
+              sum += pv;
+            }
+          l_i[r] = l_i[r] * corr[r] + sum;
+        }
+      };
+      auto pack = [&] {
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+      };
+      auto rescale = [&](const float (&corr)[2]) {
+#pragma unroll
+        for (int j = 0; j < kD / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[4 * j + e] *= corr[e >> 1];
+      };
+      auto stage = [&](uint32_t block) { return int(block % kStages); };
+      auto phase = [&](uint32_t block) { return (block / kStages) & 1; };
 
-    for (int i = 1; i < n_blocks; ++i) {
-      const int st = i % kStages, prev = (i - 1) % kStages;
-      mbar_wait(&k_full[st], (i / kStages) & 1);
+      mbar_wait(&q_full, q_loads & 1);
+      ++q_loads;
+      // Block 0 of the load order (key block n_blocks - 1).
+      mbar_wait(&k_full[stage(kv)], phase(kv));
       wgmma_fence();
-      issue_qk<T>(s, q, sK + st * T::kKVBytes);
+      issue_qk<T>(s, q, sK + stage(kv) * T::kKVBytes);
       wgmma_commit();
-      mbar_wait(&v_full[prev], ((i - 1) / kStages) & 1);
-      issue_pv<T, kD>(o, pa, sV + prev * T::kKVBytes);
-      wgmma_commit();
-      wgmma_wait<1>();  // S_i landed; P_{i-1} V_{i-1} may still run
+      wgmma_wait<0>();
       fence_registers(s);
-      mbar_arrive(&k_empty[st]);
-      softmax(n_blocks - 1 - i, corr);
+      release(&k_empty[stage(kv)]);
+      float corr[2];
+      softmax(n_blocks - 1, corr);  // O is still 0: no rescale
+      pack();
+
+      for (int i = 1; i < n_blocks; ++i) {
+        const uint32_t cur = kv + i, prev = kv + i - 1;
+        mbar_wait(&k_full[stage(cur)], phase(cur));
+        named_barrier_sync(kSchedBarrier + c, kSchedThreads);
+        wgmma_fence();
+        issue_qk<T>(s, q, sK + stage(cur) * T::kKVBytes);
+        wgmma_commit();
+        mbar_wait(&v_full[stage(prev)], phase(prev));
+        issue_pv<T, kD>(o, pa, sV + stage(prev) * T::kKVBytes);
+        wgmma_commit();
+        named_barrier_arrive(kSchedBarrier + (c ^ 1), kSchedThreads);
+        wgmma_wait<1>();  // S_i landed; P_{i-1} V_{i-1} may still run
+        fence_registers(s);
+        release(&k_empty[stage(cur)]);
+        softmax(n_blocks - 1 - i, corr);
+        wgmma_wait<0>();
+        fence_registers(o);
+        fence_registers(pa);
+        release(&v_empty[stage(prev)]);
+        rescale(corr);
+        pack();
+      }
+      // Every Q K^T of this tile is done: the producer may load the next Q.
+      release(&q_empty);
+      const uint32_t last = kv + n_blocks - 1;
+      mbar_wait(&v_full[stage(last)], phase(last));
+      wgmma_fence();
+      issue_pv<T, kD>(o, pa, sV + stage(last) * T::kKVBytes);
+      wgmma_commit();
       wgmma_wait<0>();
       fence_registers(o);
       fence_registers(pa);
-      mbar_arrive(&v_empty[prev]);
-      rescale(corr);
-      pack();
+      release(&v_empty[stage(last)]);
+      kv += n_blocks;
     }
-    const int last = (n_blocks - 1) % kStages;
-    mbar_wait(&v_full[last], ((n_blocks - 1) / kStages) & 1);
-    wgmma_fence();
-    issue_pv<T, kD>(o, pa, sV + last * T::kKVBytes);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(o);
-    fence_registers(pa);
-    mbar_arrive(&v_empty[last]);
-  }
 
-  // Epilogue: o = acc / l, lse = ln 2 * (m * scale_log2 + log2 l); a row with
-  // no visible key (l = 0) gets o = 0, lse = -inf. Rows past the sequence
-  // are not stored.
-  const int64_t q_stride = int64_t(p.heads_q) * kD;
-  bf16* gO = static_cast<bf16*>(p.o) + int64_t(q0) * q_stride + int64_t(h) * kD;
+    // Epilogue: o = acc / l, lse = ln 2 * (m * scale_log2 + log2 l); a row with
+    // no visible key (l = 0) gets o = 0, lse = -inf. Rows past the sequence
+    // are not stored.
+    const int64_t q_stride = int64_t(p.heads_q) * kD;
+    bf16* gO = static_cast<bf16*>(p.o) + int64_t(ti.q0) * q_stride + int64_t(ti.h) * kD;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(l_i[r]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (m_i[r] * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
-    const int row = row_base + 8 * r;
-    if (row < len_q) {
-      bf16* o_row = gO + int64_t(row) * q_stride;
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(l_i[r]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float lse = l > 0.f ? (m_i[r] * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+      const int row = row_base + 8 * r;
+      if (row < ti.len_q) {
+        bf16* o_row = gO + int64_t(row) * q_stride;
 #pragma unroll
-      for (int j = 0; j < kD / 8; ++j)
-        *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * (lane & 3)) =
-            pack_bf16(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-      if ((lane & 3) == 0) p.lse[int64_t(q0 + row) * p.heads_q + h] = lse;
+        for (int j = 0; j < kD / 8; ++j)
+          *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * (lane & 3)) =
+              pack_bf16(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+        if ((lane & 3) == 0) p.lse[int64_t(ti.q0 + row) * p.heads_q + ti.h] = lse;
+      }
     }
   }
+  // Warpgroup 1's last arrival at barrier 1 has no matching sync (warpgroup 0
+  // got one opening more than it used): take it, so no barrier is left
+  // half-arrived when the CTA exits.
+  if (c == 0) named_barrier_sync(kSchedBarrier, kSchedThreads);
 #else
   __trap();  // built without sm_90a; the dispatcher never launches this
 #endif
@@ -351,16 +436,22 @@ CUtensorMap map_heads(const void* base, int64_t tokens, int64_t heads, int d, in
   return ::slime::ops::detail::tma::make_tensor_map("attention (Hopper forward)", base, 3, dims, strides, box);
 }
 
-template <int kD, class Mask>
+template <int kD, int kStages, class Mask>
 void launch_sm90(const AttentionForwardParams& p, cudaStream_t stream) {
-  using T = Sm90FwdTile<kD>;
+  using T = Sm90FwdTile<kD, kStages>;
   const CUtensorMap mq = map_heads(p.q, p.tokens_q, p.heads_q, kD, T::kBM);
   const CUtensorMap mk = map_heads(p.k, p.tokens_k, p.heads_kv, kD, T::kBN);
   const CUtensorMap mv = map_heads(p.v, p.tokens_k, p.heads_kv, kD, T::kBN);
-  auto kernel = attention_fwd_sm90_kernel<kD, Mask>;
+  auto kernel = attention_fwd_sm90_kernel<kD, kStages, Mask>;
   SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
-  const dim3 grid(unsigned((p.max_seqlen_q + T::kBM - 1) / T::kBM), unsigned(p.num_seqs), unsigned(p.heads_q));
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(mq, mk, mv, p);
+  // Persistent: one CTA per SM (its shared memory allows no second), each
+  // taking one tile per round of gridDim.x tiles.
+  const int64_t m_blocks = (int64_t(p.max_seqlen_q) + T::kBM - 1) / T::kBM;
+  const int64_t tiles = m_blocks * p.num_seqs * p.heads_q;
+  SLIME_CHECK(tiles <= 0x7fffffff, "attention (Hopper forward): ", tiles, " tiles of ", T::kBM,
+              " query rows exceed the kernel's int tile index");
+  const int grid = int(std::min<int64_t>(tiles, ::slime::ops::detail::tma::sm_count()));
+  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(mq, mk, mv, p, int(m_blocks), int(tiles));
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
@@ -402,9 +493,9 @@ bool detail::attention_forward_sm90(const AttentionForwardParams& p, StreamHandl
   if (p.num_seqs == 0 || p.max_seqlen_q == 0 || p.heads_q == 0) return true;
   const bool causal = p.options.causal;
   if (p.head_dim == 128) {
-    causal ? launch_sm90<128, CausalMask>(p, stream) : launch_sm90<128, FullMask>(p, stream);
+    causal ? launch_sm90<128, 2, CausalMask>(p, stream) : launch_sm90<128, 2, FullMask>(p, stream);
   } else {
-    causal ? launch_sm90<64, CausalMask>(p, stream) : launch_sm90<64, FullMask>(p, stream);
+    causal ? launch_sm90<64, 4, CausalMask>(p, stream) : launch_sm90<64, 4, FullMask>(p, stream);
   }
   return true;
 }

@@ -443,20 +443,6 @@ CUtensorMap map_dw(void* base, uint64_t in_f, uint64_t out_f, uint64_t experts) 
 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
-// Multiprocessors of the current device (cached per device).
-int sm_count() {
-  static std::atomic<int> cached[64] = {};
-  int dev = 0;
-  SLIME_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= 64) return 132;
-  int v = cached[dev].load(std::memory_order_relaxed);
-  if (v == 0) {
-    SLIME_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    cached[dev].store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
 template <class T, Pass kPass, class TOut>
 void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   constexpr int BN = T::kBN;
@@ -499,7 +485,7 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   }
   SLIME_CHECK(ctas < INT_MAX, "grouped_gemm: ", ctas, " tiles do not fit in int32");
   if (ctas == 0) return;
-  const int grid = int(std::min<int64_t>(ctas, int64_t(sm_count()) * T::kCtasPerSm));
+  const int grid = int(std::min<int64_t>(ctas, int64_t(::slime::ops::detail::tma::sm_count()) * T::kCtasPerSm));
   const int smem = T::template smem_bytes<TOut>() + tile_table_bytes(p.experts);
   auto kernel = grouped_gemm_sm90_kernel<T, kPass, TOut>;
   SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

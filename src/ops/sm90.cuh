@@ -53,6 +53,15 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
+// Arrives once when `pred` holds, as a predicated instruction rather than a
+// branch: inside a wgmma pipeline a divergent branch makes ptxas serialise
+// the wgmmas (C7520).
+__device__ __forceinline__ void mbar_arrive_if(uint64_t* bar, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
+                   smem_u32(bar)),
+               "r"(uint32_t(pred))
+               : "memory");
+}
 // Waits until the phase of parity `parity` has completed. A fresh barrier is
 // in phase 0, so waiting for parity 1 returns at once (the producer's first
 // pass over its empty barriers).
@@ -134,6 +143,11 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Arrives at named barrier `id` without waiting: the barrier completes when
+// `threads` threads have synced or arrived (a producer-consumer hand-off).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {

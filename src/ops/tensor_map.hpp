@@ -66,4 +66,19 @@ inline bool sm90_device() {
 #endif
 }
 
+// Multiprocessors of the current device (cached per device): the grid of the
+// persistent Hopper kernels.
+inline int sm_count() {
+  static std::atomic<int> cached[64] = {};
+  int dev = 0;
+  SLIME_CUDA_CHECK(cudaGetDevice(&dev));
+  SLIME_CHECK(dev >= 0 && dev < 64, "sm_count: device index ", dev, " out of range");
+  int v = cached[dev].load(std::memory_order_relaxed);
+  if (v == 0) {
+    SLIME_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    cached[dev].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
 }  // namespace slime::ops::detail::tma

@@ -854,6 +854,11 @@ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const __nv_bfloat16* p) { attent
 inline void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   attention_emulation::mma(c, a, b0, b1);
 }
+// ex2.approx.ftz: subnormal results are 0.
+inline float exp2_ftz(float x) {
+  const float y = std::exp2(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
+}
 // The deterministic dq's turns: CTAs run one after another in blockIdx order
 // (x fastest), so every turn has come when it is waited for; one that has
 // not is an ordering bug.

@@ -110,6 +110,12 @@ std::vector<Case> cases() {
   o.align = CausalAlign::bottom_right;  // decode against a KV cache: the query is the last position
   c.push_back(
       {"causal bottom-right, one query per sequence against a cache", {1, 1, 1, 2}, {300, 1, 577, 64}, 8, 2, o});
+  // Many sequences: 600 tiles of 128 rows (about 300 with rows), several per CTA of the persistent
+  // Hopper forward (its stage ring and Q hand-off run on across tiles), some
+  // without rows (short sequences) and one empty sequence.
+  std::vector<int32_t> many;
+  for (int i = 0; i < 30; ++i) many.push_back((i * 137) % 611);
+  c.push_back({"30 sequences of 0 to 610 tokens", many, many, 4, 2, AttentionOptions{}});
   return c;
 }
 
