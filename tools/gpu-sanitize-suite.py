@@ -12,7 +12,9 @@ a time. A test passes when it exits 0 or skips (Catch2's exit 4, as ctest's
 SKIP_RETURN_CODE), and fails on any other exit, a sanitizer report or its
 timeout. Tests left when the overall budget runs out are reported as "not run"
 (and fail the script), never silently dropped. Logs go to
-$OUT/sanitize-suite-<tool>/<test>.log; the last lines printed are a summary.
+$OUT/sanitize-suite-<tool>/<test>.log (only the failures' logs are kept unless
+--keep-clean-logs); the last lines printed are each failure's report (the
+sanitizer's error lines, the test's failed assertions) and a summary.
 """
 import argparse
 import concurrent.futures as futures
@@ -46,6 +48,10 @@ def ctest_tests(build, label, regex):
     return tests
 
 
+def log_path(out_dir, name):
+    return os.path.join(out_dir, re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:150] + ".log")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default=os.environ.get("BUILD", "build/gpu"))
@@ -62,6 +68,10 @@ def main():
     # slime's own CUDA calls are all checked (SLIME_CUDA_CHECK throws), so an API
     # error of slime's fails the test anyway.
     ap.add_argument("--api-errors", default="all", choices=["all", "explicit", "no"])
+    ap.add_argument("--keep-clean-logs", action="store_true",
+                    help="keep the logs of clean tests too (default: only failures' logs are kept)")
+    ap.add_argument("--report-lines", type=int, default=8,
+                    help="lines of each failure's sanitizer report (and test failure) printed at the end")
     args = ap.parse_args()
 
     sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
@@ -78,7 +88,7 @@ def main():
         if left < 10:
             return test["name"], "NOT RUN (out of time)", 0.0, ""
         limit = min(args.timeout, left)
-        log = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9_.-]+", "_", test["name"])[:150] + ".log")
+        log = log_path(out_dir, test["name"])
         cmd = [sanitizer, "--tool", args.tool, "--error-exitcode", "9"]
         if args.tool == "memcheck":
             cmd += ["--leak-check", "no", "--report-api-errors", args.api_errors]
@@ -105,10 +115,34 @@ def main():
         return test["name"], result, took, summary
 
     results = []
+    failed_logs = []
     with futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for name, result, took, summary in pool.map(run, tests):
             print(f"{result:<28} {took:6.1f}s  {name}  [{summary}]", flush=True)
             results.append(result)
+            if result not in ("ok", "skipped"):
+                failed_logs.append((name, log_path(out_dir, name)))
+            elif not args.keep_clean_logs:
+                # Only the logs that show something are kept: the GPU machine
+                # returns a limited number of files from $OUT.
+                try:
+                    os.remove(log_path(out_dir, name))
+                except OSError:
+                    pass
+    # What each failure reported, so the summary names the kernel and the
+    # source line even when the logs cannot be fetched.
+    for name, log in failed_logs:
+        try:
+            with open(log, errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        report = [l.rstrip() for l in lines if l.startswith("=========") and
+                  re.search(r"Race reported|Error|error|at 0x|in .*:\d+|FAILED|Saved host backtrace", l)]
+        test_fail = [l.rstrip() for l in lines if re.search(r"FAILED:|REQUIRE|CHECK\(|with expansion|due to unexpected exception", l)]
+        print(f"--- {name}: {log}")
+        for l in (report[:args.report_lines] + test_fail[:args.report_lines]):
+            print("    " + l[:300])
     ok = sum(r == "ok" for r in results)
     skipped = sum(r == "skipped" for r in results)
     bad = len(results) - ok - skipped
