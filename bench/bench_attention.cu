@@ -7,6 +7,11 @@
 // length (so that torch's padded batch does exactly the same work):
 //   hd128: 1 x 4096, 1 x 16384 and 4 x 1024    hd64: 1 x 2048 and 4 x 512
 //   hd80, hd256: 1 x 2048 (Qwen2.5-VL's vision tower; the largest head dim)
+//   hd128/varlen_rl: an RL-like packed batch, 24 sequences of 96 to 7400
+//     tokens (55816 in all; kRlLens, the same list as torch_attention.py's
+//     VARLEN_RL): GRPO rollouts whose responses differ tenfold in length.
+//     PyTorch has no packed causal SDPA: its rows pad to the longest sequence
+//     or loop over the sequences, as a PyTorch trainer would.
 // The two numbers, per call (pairs = sum over sequences of L (L + 1) / 2, the
 // (query, key) pairs the causal mask keeps):
 //   FLOP  fwd = 4 d pairs Hq  (q k^T and p v, 2 FLOP per multiply-add)
@@ -57,17 +62,36 @@ constexpr int kIterations = 10;  // timed iterations per run
 constexpr int kRepetitions = 5;  // runs; the median is reported
 constexpr int64_t kCheckRows = 64;
 
+// The RL-like batch (keep equal to torch_attention.py's VARLEN_RL).
+constexpr int32_t kRlLens[] = {412,  1630, 3071, 788,  5120, 2290, 96,   7400, 1345, 2811, 660, 4096,
+                               1980, 350,  6032, 1207, 2600, 905,  3550, 150,  4870, 1500, 2222, 731};
+constexpr int64_t kRlSeqs = int64_t(sizeof(kRlLens) / sizeof(kRlLens[0]));
+
+// seqs sequences of seqlen tokens each, or (rl) the kRlLens batch, seqlen its
+// longest.
 struct AttnShape {
   int64_t head_dim, seqs, seqlen;
+  bool rl = false;
 };
 
-constexpr AttnShape kShapes[] = {{128, 1, 4096}, {128, 1, 16384}, {128, 4, 1024}, {64, 1, 2048},
-                                 {64, 4, 512},   {80, 1, 2048},  {256, 1, 2048}};
+constexpr AttnShape kShapes[] = {{128, 1, 4096}, {128, 1, 16384}, {128, 4, 1024},     {64, 1, 2048},
+                                 {64, 4, 512},   {80, 1, 2048},  {256, 1, 2048}, {128, kRlSeqs, 7400, true}};
+
+std::vector<int64_t> lengths(const AttnShape& s) {
+  if (s.rl) return std::vector<int64_t>(std::begin(kRlLens), std::end(kRlLens));
+  return std::vector<int64_t>(std::size_t(s.seqs), s.seqlen);
+}
+int64_t total_tokens(const AttnShape& s) {
+  int64_t t = 0;
+  for (int64_t l : lengths(s)) t += l;
+  return t;
+}
 
 enum class Op { fwd, bwd, fwdbwd };
 constexpr const char* op_name(Op op) { return op == Op::fwd ? "fwd" : op == Op::bwd ? "bwd" : "fwdbwd"; }
 
 std::string shape_name(const AttnShape& s) {
+  if (s.rl) return "hd" + std::to_string(s.head_dim) + "/varlen_rl";
   return "hd" + std::to_string(s.head_dim) + "/" + std::to_string(s.seqs) + "x" + std::to_string(s.seqlen);
 }
 
@@ -81,7 +105,7 @@ std::unique_ptr<Problem> g_problem;
 
 Problem& problem(const AttnShape& s) {
   if (g_problem && g_problem->shape.head_dim == s.head_dim && g_problem->shape.seqs == s.seqs &&
-      g_problem->shape.seqlen == s.seqlen)
+      g_problem->shape.seqlen == s.seqlen && g_problem->shape.rl == s.rl)
     return *g_problem;
   g_problem.reset();
   auto p = std::make_unique<Problem>();
@@ -89,9 +113,9 @@ Problem& problem(const AttnShape& s) {
   p->shape = s;
   p->stream = Stream::create(dev);
   const Stream& st = p->stream;
-  const int64_t T = s.seqs * s.seqlen, d = s.head_dim;
-  std::vector<int32_t> cu;
-  for (int64_t b = 0; b <= s.seqs; ++b) cu.push_back(int32_t(b * s.seqlen));
+  const int64_t T = total_tokens(s), d = s.head_dim;
+  std::vector<int32_t> cu = {0};
+  for (int64_t l : lengths(s)) cu.push_back(cu.back() + int32_t(l));
   p->cu = Tensor::from_vector(cu, {s.seqs + 1}, dev, st);
   for (auto [t, seed] : {std::pair{&p->q, 1}, std::pair{&p->k, 2}, std::pair{&p->v, 3}, std::pair{&p->d_o, 4}}) {
     *t = Tensor::empty({T, kHeads, d}, DType::bf16, dev, st);
@@ -130,13 +154,17 @@ void launch(Problem& p, Op op) {
   if (op != Op::fwd) backward(p);
 }
 
-double pairs(const AttnShape& s) { return double(s.seqs) * double(s.seqlen) * double(s.seqlen + 1) / 2; }
+double pairs(const AttnShape& s) {
+  double n = 0;
+  for (int64_t l : lengths(s)) n += double(l) * double(l + 1) / 2;
+  return n;
+}
 double flop(const AttnShape& s, Op op) {
   const double fwd = 4.0 * double(s.head_dim) * pairs(s) * double(kHeads);
   return op == Op::fwd ? fwd : op == Op::bwd ? 2.5 * fwd : 3.5 * fwd;
 }
 double bytes(const AttnShape& s, Op op) {
-  const double T = double(s.seqs * s.seqlen), d = double(s.head_dim), H = double(kHeads);
+  const double T = double(total_tokens(s)), d = double(s.head_dim), H = double(kHeads);
   const double fwd = 2 * (2 * T * H * d + 2 * T * H * d) + 4 * T * H;
   const double bwd = 2 * (4 * T * H * d + 4 * T * H * d) + 4 * T * H;
   return op == Op::fwd ? fwd : op == Op::bwd ? bwd : fwd + bwd;
@@ -164,7 +192,7 @@ std::string check_once(Problem& p, Op op) {
   for (Tensor* t : {&p.o, &p.lse, &p.dq, &p.dk, &p.dv}) t->fill_bytes_(0xff, p.stream);
   if (op == Op::bwd) forward(p);  // the backward's inputs
   launch(p, op);
-  const int64_t T = p.shape.seqs * p.shape.seqlen, L = p.shape.seqlen, d = p.shape.head_dim;
+  const int64_t T = total_tokens(p.shape), L = lengths(p.shape).back(), d = p.shape.head_dim;
   const int64_t s0 = T - L, r0 = L - kCheckRows;  // last sequence; its last rows
   const std::vector<float> q = floats(p.q, p.stream), k = floats(p.k, p.stream), v = floats(p.v, p.stream);
   const std::vector<float> o = floats(p.o, p.stream), lse = floats(p.lse, p.stream);

@@ -5,7 +5,8 @@
 //                            row held in registers (expert e on lane e % 32,
 //                            slot e / 32), then k rounds of a warp argmax
 //                            (largest probability, ties to the lower id);
-//                            the top-k sum runs in selection order, as the CPU.
+//                            the top-k sum runs in selection order, as the CPU;
+//                            with `replay`, the given ids' probabilities instead.
 //   router_backward_kernel   one warp per row: dp from the k (id, dweight)
 //                            pairs in slot order, then p (dp − ⟨p, dp⟩).
 //   aux_stats_kernel         one block per fixed chunk of rows: integer
@@ -109,6 +110,35 @@ __global__ void __launch_bounds__(kThreads) router_forward_kernel(const RouterFo
       const int e = lane + 32 * i;
       v[i] = v[i] / s;
       if (e < E) pr[e] = v[i];
+    }
+    if (p.replay) {
+      // Routing replay: the given experts' probabilities, summed in slot
+      // order as the top-k path sums its picks (replaying the top-k gives the
+      // same bits); an id outside [0, E) weighs 0, a row of them all 0.
+      const int32_t* idx = p.indices + t * k;
+      float sel_p[kItems] = {};
+      float sel_sum = 0.f;
+      for (int j = 0; j < k; ++j) {
+        const int id = idx[j];
+        const bool valid = id >= 0 && id < E;
+        float cand = 0.f;
+#pragma unroll
+        for (int i = 0; i < kItems; ++i)
+          if (valid && i == (id >> 5)) cand = v[i];
+        const float pj = __shfl_sync(kFull, cand, id & 31);  // 0 from every lane when !valid
+#pragma unroll
+        for (int m = 0; m < kItems; ++m)
+          if (m == (j >> 5) && lane == (j & 31)) sel_p[m] = pj;
+        sel_sum += pj;
+      }
+#pragma unroll
+      for (int m = 0; m < kItems; ++m) {
+        const int j = lane + 32 * m;
+        if (j < k)
+          static_cast<TW*>(p.weights)[t * k + j] =
+              from_float<TW>(p.norm_topk_prob ? (sel_sum > 0.f ? sel_p[m] / sel_sum : 0.f) : sel_p[m]);
+      }
+      continue;
     }
     // Top-k: round j picks the largest untaken probability (lowest id on ties).
     uint32_t taken = 0;

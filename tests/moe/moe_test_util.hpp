@@ -128,7 +128,10 @@ struct NaiveGrads {
 
 inline double silu(double g) { return g / (1 + std::exp(-g)); }
 
-inline NaiveOut naive_forward(const Weights& w, const Vec& x, int64_t T, int64_t k, bool norm) {
+// replay (optional, [T, k], distinct valid ids per row): route to these
+// experts instead of the top-k (routing replay).
+inline NaiveOut naive_forward(const Weights& w, const Vec& x, int64_t T, int64_t k, bool norm,
+                              const std::vector<int>* replay = nullptr) {
   const int64_t H = w.H, I = w.I, E = w.E;
   NaiveOut o;
   o.logits.assign(std::size_t(T * E), 0.0);
@@ -149,6 +152,8 @@ inline NaiveOut naive_forward(const Weights& w, const Vec& x, int64_t T, int64_t
     std::vector<int> ids(static_cast<std::size_t>(E));
     std::iota(ids.begin(), ids.end(), 0);
     std::stable_sort(ids.begin(), ids.end(), [&](int a, int b) { return p[a] > p[b]; });
+    if (replay)
+      for (int64_t j = 0; j < k; ++j) ids[std::size_t(j)] = (*replay)[std::size_t(t * k + j)];
     double ws = 0;
     for (int64_t j = 0; j < k; ++j) ws += p[ids[std::size_t(j)]];
     for (int64_t j = 0; j < k; ++j) {
@@ -176,11 +181,11 @@ inline NaiveOut naive_forward(const Weights& w, const Vec& x, int64_t T, int64_t
 }
 
 // Gradients of L = Σ dy ⊙ y + Σ aux ⊙ logits (aux may be empty), the top-k
-// selection held constant.
+// selection (or the replayed one) held constant.
 inline NaiveGrads naive_backward(const Weights& w, const Vec& x, int64_t T, int64_t k, bool norm, const Vec& dy,
-                                 const Vec& aux) {
+                                 const Vec& aux, const std::vector<int>* replay = nullptr) {
   const int64_t H = w.H, I = w.I, E = w.E;
-  const NaiveOut o = naive_forward(w, x, T, k, norm);
+  const NaiveOut o = naive_forward(w, x, T, k, norm, replay);
   NaiveGrads d{Vec(x.size(), 0.0), Vec(w.gate.size(), 0.0), Vec(w.wg.size(), 0.0), Vec(w.wu.size(), 0.0),
                Vec(w.wd.size(), 0.0)};
   for (int64_t t = 0; t < T; ++t) {

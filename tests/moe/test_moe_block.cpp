@@ -6,8 +6,10 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include <cstring>
 #include <functional>
 #include <tuple>
+#include <utility>
 
 #include "moe_test_util.hpp"
 #include "slime/core/memory.hpp"
@@ -118,6 +120,82 @@ TEST_CASE("SparseMoeBlock f32 forward and backward match the naive double block"
       CHECK(rel_error(to_double(b.up_proj.grad), d.wu) < 1e-5);
       CHECK(rel_error(to_double(b.down_proj.grad), d.wd) < 1e-5);
     }
+}
+
+TEST_CASE("SparseMoeBlock routing replay: its own top-k gives the same bits, other experts the naive block's",
+          "[moe][block][replay]") {
+  auto bytes_equal = [](const Tensor& a, const Tensor& b) {
+    return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+  };
+  for (const Config& c : kConfigs) {
+    const Weights w = Weights::random(c.H, c.I, c.E, 90 + uint64_t(c.E * 3 + c.k), 2.0);
+    const Vec x = f32_rounded(random_doubles(c.T * c.H, 91 + uint64_t(c.T)));
+    const Vec dy = f32_rounded(random_doubles(c.T * c.H, 92));
+    INFO("T " << c.T << " H " << c.H << " I " << c.I << " E " << c.E << " k " << c.k << " norm " << c.norm);
+    nn::SparseMoeBlock b = make_block(c, w);
+    struct Run {
+      Tensor y, dx, gate, wg, wu, wd, indices, weights;
+    };
+    auto run = [&](const Tensor& replay) {
+      nn::zero_grad(b);
+      nn::SparseMoeBlock::Context ctx;
+      ctx.replay_indices = replay;
+      Run r;
+      r.y = b.forward(tensor_of(x, {c.T, c.H}), ctx);
+      r.dx = b.backward(ctx, tensor_of(dy, {c.T, c.H}));
+      r.gate = b.gate.grad.clone();
+      r.wg = b.gate_proj.grad.clone();
+      r.wu = b.up_proj.grad.clone();
+      r.wd = b.down_proj.grad.clone();
+      r.indices = ctx.indices.clone();
+      r.weights = ctx.weights.clone();
+      return r;
+    };
+    // Replaying the block's own routing changes nothing, bit for bit.
+    const Run top = run(Tensor());
+    const Run same = run(top.indices.clone());
+    const std::pair<const char*, Tensor Run::*> fields[] = {{"y", &Run::y},
+                                                            {"weights", &Run::weights},
+                                                            {"dx", &Run::dx},
+                                                            {"gate grad", &Run::gate},
+                                                            {"gate_proj grad", &Run::wg},
+                                                            {"up_proj grad", &Run::wu},
+                                                            {"down_proj grad", &Run::wd}};
+    for (const auto& [name, field] : fields) {
+      INFO(name);
+      CHECK(bytes_equal(same.*field, top.*field));
+    }
+    // Other experts (each row's top-k shifted by 1 + t mod (E - 1): still
+    // distinct, never the same set when E > k) against the naive block routed
+    // to them.
+    if (c.E == 1) continue;
+    std::vector<int> other(std::size_t(c.T * c.k));
+    const std::vector<int32_t> own = top.indices.to_vector<int32_t>();
+    for (int64_t t = 0; t < c.T; ++t)
+      for (int64_t j = 0; j < c.k; ++j)
+        other[std::size_t(t * c.k + j)] = int((own[std::size_t(t * c.k + j)] + 1 + t % (c.E - 1)) % c.E);
+    const Run r = run(Tensor::from_vector(std::vector<int32_t>(other.begin(), other.end()), {c.T, c.k}));
+    const NaiveOut o = naive_forward(w, x, c.T, c.k, c.norm, &other);
+    const NaiveGrads d = naive_backward(w, x, c.T, c.k, c.norm, dy, {}, &other);
+    CHECK(r.indices.to_vector<int32_t>() == std::vector<int32_t>(other.begin(), other.end()));
+    CHECK(rel_error(to_double(r.weights), o.weights) < 1e-5);
+    CHECK(rel_error(to_double(r.y), o.y) < 1e-5);
+    CHECK(rel_error(to_double(r.dx), d.x) < 1e-5);
+    CHECK(rel_error(to_double(r.gate), d.gate) < 1e-5);
+    CHECK(rel_error(to_double(r.wg), d.wg) < 1e-5);
+    CHECK(rel_error(to_double(r.wu), d.wu) < 1e-5);
+    CHECK(rel_error(to_double(r.wd), d.wd) < 1e-5);
+    if (c.k < c.E) CHECK(rel_error(to_double(r.y), to_double(top.y)) > 1e-3);  // the replay was used
+  }
+  // A replay of the wrong shape or dtype is an error naming the field.
+  const Config c = kConfigs[0];
+  nn::SparseMoeBlock b = make_block(c, Weights::random(c.H, c.I, c.E, 95, 2.0));
+  nn::SparseMoeBlock::Context ctx;
+  const Tensor x = tensor_of(f32_rounded(random_doubles(c.T * c.H, 96)), {c.T, c.H});
+  ctx.replay_indices = Tensor::zeros({c.T, c.k + 1}, DType::i32);
+  CHECK_THROWS_WITH(b.forward(x, ctx), ContainsSubstring("replay_indices must be i32"));
+  ctx.replay_indices = Tensor::zeros({c.T, c.k}, DType::f32);
+  CHECK_THROWS_WITH(b.forward(x, ctx), ContainsSubstring("replay_indices must be i32"));
 }
 
 TEST_CASE("SparseMoeBlock: parameter gradients accumulate, dx is written, contexts are reusable", "[moe][block]") {

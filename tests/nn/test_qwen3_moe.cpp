@@ -262,6 +262,59 @@ TEST_CASE("Qwen3Model (MoE): router logits per sparse layer and HF's aux loss ov
   CHECK_THROWS_WITH(model.backward(ctx, d, {}, wrong), ContainsSubstring("aux.dlogits holds 2 tensors"));
 }
 
+TEST_CASE("Qwen3Model (MoE): routing is recorded per sparse layer and replayed", "[nn][moe][replay]") {
+  nn::Qwen3Model model = moe_model(5);
+  const nn::PackedBatch batch = nn::make_packed_batch(kSequences);
+  const int64_t T = batch.num_tokens();
+  auto same_bits = [](const Tensor& a, const Tensor& b) {
+    return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+  };
+  nn::Qwen3Model::Context rec;
+  rec.record_routing = true;
+  const Tensor h = model.forward(batch, rec).clone();
+  REQUIRE(rec.routing.size() == 3);
+  CHECK_FALSE(rec.routing[1].defined());  // the dense layer
+  for (std::size_t l : {std::size_t(0), std::size_t(2)}) {
+    REQUIRE(rec.routing[l].shape() == Shape{T, 2});
+    CHECK(rec.routing[l].to_vector<int32_t>() == rec.layers[l].moe.indices.to_vector<int32_t>());
+  }
+  // Replaying the recorded routing gives the same hidden states bit for bit.
+  nn::Qwen3Model::Context same;
+  same.routing_replay = rec.routing;
+  CHECK(same_bits(model.forward(batch, same), h));
+  // Other experts (every id + 1 mod 4: a different pair for every token) give
+  // other hidden states, and are what a record of that forward holds.
+  nn::Qwen3Model::Context other;
+  other.routing_replay.resize(3);
+  for (std::size_t l : {std::size_t(0), std::size_t(2)}) {
+    std::vector<int32_t> ids = rec.routing[l].to_vector<int32_t>();
+    for (int32_t& id : ids) id = (id + 1) % 4;
+    other.routing_replay[l] = Tensor::from_vector(ids, {T, 2});
+  }
+  other.record_routing = true;
+  const Tensor h_other = model.forward(batch, other);
+  CHECK(rel_error(to_double(h_other), to_double(h)) > 1e-3);
+  for (std::size_t l : {std::size_t(0), std::size_t(2)})
+    CHECK(other.routing[l].to_vector<int32_t>() == other.routing_replay[l].to_vector<int32_t>());
+  // The gradient flows through the replayed routing: backward runs and
+  // differs from the top-k's.
+  const Tensor ones = Tensor::from_vector(std::vector<float>(std::size_t(T * 16), 1.f), {T, 16});
+  nn::zero_grad(model);
+  model.backward(other, ones);
+  const std::vector<double> g_other = to_double(model.layers()[0].moe->gate.grad);
+  nn::zero_grad(model);
+  model.backward(rec, ones);
+  CHECK(rel_error(g_other, to_double(model.layers()[0].moe->gate.grad)) > 1e-3);
+  // One tensor per layer, defined for every sparse layer.
+  nn::Qwen3Model::Context bad;
+  bad.routing_replay = {rec.routing[0], rec.routing[2]};
+  CHECK_THROWS_WITH(model.forward(batch, bad), ContainsSubstring("routing_replay holds 2 tensors"));
+  bad.routing_replay = {Tensor(), Tensor(), rec.routing[2]};
+  CHECK_THROWS_WITH(model.forward(batch, bad), ContainsSubstring("routing_replay[0] is undefined"));
+  bad.routing_replay = {Tensor::zeros({T, 3}, DType::i32), Tensor(), rec.routing[2]};
+  CHECK_THROWS_WITH(model.forward(batch, bad), ContainsSubstring("replay_indices must be i32"));
+}
+
 // Smallest gap between the k-th and (k+1)-th router logit over the tokens of
 // every sparse layer of the forward in ctx.
 double topk_margin(nn::Qwen3Model& model, const nn::Qwen3Model::Context& ctx, int k) {

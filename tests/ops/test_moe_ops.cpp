@@ -295,6 +295,67 @@ TEST_CASE("router forward matches its definition, with and without renormalisati
   CHECK(r.indices == IVec{1, 2, 4, 0});
 }
 
+TEST_CASE("router_forward_replay: the top-k replayed gives the same bits, other ids weigh their probabilities",
+          "[moe][router][replay]") {
+  for (DType dt : {DType::f32, DType::bf16})
+    for (bool norm : {false, true})
+      for (auto [T, E, k] : {std::tuple{7, 5, 2}, std::tuple{1, 1, 1}, std::tuple{3, 8, 8}, std::tuple{13, 16, 3}}) {
+        INFO("logits " << dt << " norm " << norm << " T " << T << " E " << E << " k " << k);
+        const Vec lv = random_doubles(T * E, 21 + uint64_t(T * E + k), 3.0);
+        Tensor logits = Tensor::empty({T, E}, dt);
+        for (int64_t i = 0; i < T * E; ++i) {
+          if (dt == DType::f32) {
+            logits.data<float>()[i] = float(lv[std::size_t(i)]);
+          } else {
+            logits.data<BFloat16>()[i] = BFloat16(float(lv[std::size_t(i)]));
+          }
+        }
+        const Tensor probs = Tensor::empty({T, E}, DType::f32), idx = Tensor::empty({T, k}, DType::i32);
+        const Tensor w = Tensor::empty({T, k}, dt);
+        ops::router_forward(logits, norm, probs, idx, w);
+        // The top-k replayed: probs and weights bit for bit; indices untouched.
+        Tensor probs2 = Tensor::empty({T, E}, DType::f32), w2 = Tensor::empty({T, k}, dt);
+        probs2.fill_bytes_(0xff);
+        w2.fill_bytes_(0xff);
+        const Tensor idx2 = idx.clone();
+        ops::router_forward_replay(logits, norm, idx2, probs2, w2);
+        CHECK(std::memcmp(probs2.data_ptr(), probs.data_ptr(), probs.nbytes()) == 0);
+        CHECK(std::memcmp(w2.data_ptr(), w.data_ptr(), w.nbytes()) == 0);
+        CHECK(idx2.to_vector<int32_t>() == idx.to_vector<int32_t>());
+        // Other ids: slot j of row t gets (t + 3 j) mod E, and slot 0 of odd
+        // rows an id out of range (-1, or E), which weighs 0.
+        IVec other(std::size_t(T * k));
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t j = 0; j < k; ++j) other[std::size_t(t * k + j)] = int32_t((t + 3 * j) % E);
+        for (int64_t t = 1; t < T; t += 2) other[std::size_t(t * k)] = t % 4 == 1 ? -1 : int32_t(E);
+        const Tensor ids = Tensor::from_vector(other, {T, k});
+        Tensor w3 = Tensor::empty({T, k}, dt);
+        w3.fill_bytes_(0xff);
+        ops::router_forward_replay(logits, norm, ids, probs2, w3);
+        const Vec p = to_double(probs), got = to_double(w3);
+        Vec want(std::size_t(T * k));
+        for (int64_t t = 0; t < T; ++t) {
+          double sum = 0;
+          for (int64_t j = 0; j < k; ++j) {
+            const int32_t id = other[std::size_t(t * k + j)];
+            want[std::size_t(t * k + j)] = id >= 0 && id < E ? p[std::size_t(t * E + id)] : 0.0;
+            sum += want[std::size_t(t * k + j)];
+          }
+          if (norm)
+            for (int64_t j = 0; j < k; ++j)
+              want[std::size_t(t * k + j)] = sum > 0 ? want[std::size_t(t * k + j)] / sum : 0;
+        }
+        // f32: one rounding of an fp32 quotient; bf16: the cast (2^-9).
+        CHECK(rel_error(got, want) < (dt == DType::f32 ? 1e-6 : 4e-3));
+        for (int64_t t = 1; t < T; t += 2) CHECK(got[std::size_t(t * k)] == 0.0);
+      }
+  // The replayed ids' shape is checked like router_forward's indices.
+  const Tensor logits = Tensor::zeros({4, 6}, DType::f32);
+  CHECK_THROWS_WITH(ops::router_forward_replay(logits, true, Tensor::zeros({3, 2}, DType::i32),
+                                               Tensor::empty({4, 6}, DType::f32), Tensor::empty({3, 2}, DType::f32)),
+                    ContainsSubstring("router_forward_replay: indices must have 4 rows"));
+}
+
 TEST_CASE("router backward matches finite differences (selection held constant)", "[moe][router][fd]") {
   for (bool norm : {false, true})
     for (auto [T, E, k] :

@@ -253,6 +253,42 @@ TEST_CASE("router forward on the GPU breaks ties to the lower expert id", "[moe]
   CHECK(g.indices.to(cpu()).to_vector<int32_t>() == std::vector<int32_t>{1, 2, 4, 0});
 }
 
+TEST_CASE("router replay on the GPU: the top-k replayed gives its bits, other ids match the CPU",
+          "[moe][router][replay][gpu]") {
+  REQUIRE_GPU();
+  uint64_t seed = 700;
+  auto same_bytes = [](const Tensor& a, const Tensor& b) {
+    const Tensor x = a.to(cpu()), y = b.to(cpu());
+    return x.nbytes() == y.nbytes() && std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+  };
+  for (DType dt : {DType::bf16, DType::f32})
+    for (bool norm : {false, true})
+      for (auto [E, k] : kRouterShapes)
+        for (int64_t T : {int64_t(1), int64_t(17), int64_t(577)}) {
+          INFO("logits " << dt << " norm " << norm << " T " << T << " E " << E << " k " << k);
+          const Tensor logits = randn({T, E}, dt, cpu(), ++seed, 2.f), lg = logits.to(gpu());
+          const RouterOut g = run_router(lg, dt, norm, k);
+          // The GPU's own top-k replayed: the same probs and weights, bit for bit.
+          RouterOut r{poisoned({T, E}, DType::f32, gpu()), g.indices.clone(), poisoned({T, k}, dt, gpu())};
+          ops::router_forward_replay(lg, norm, r.indices, r.probs, r.weights);
+          CHECK(same_bytes(r.probs, g.probs));
+          CHECK(same_bytes(r.weights, g.weights));
+          // Other ids, one out of range per odd row, against the CPU's replay.
+          std::vector<int32_t> other(std::size_t(T * k));
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < k; ++j) other[std::size_t(t * k + j)] = int32_t((t * 7 + 5 * j) % E);
+          for (int64_t t = 1; t < T; t += 2) other[std::size_t(t * k)] = t % 4 == 1 ? -1 : int32_t(E);
+          const Tensor ids = Tensor::from_vector(other, {T, k});
+          RouterOut c{Tensor::empty({T, E}, DType::f32), ids, Tensor::empty({T, k}, dt)};
+          ops::router_forward_replay(logits, norm, c.indices, c.probs, c.weights);
+          RouterOut o{poisoned({T, E}, DType::f32, gpu()), ids.to(gpu()), poisoned({T, k}, dt, gpu())};
+          ops::router_forward_replay(lg, norm, o.indices, o.probs, o.weights);
+          CHECK(rel_err(o.probs, c.probs) <= kTolProbs);
+          // f32: the probs' last bits through one quotient.
+          CHECK(rel_err(o.weights, c.weights) <= (dt == DType::bf16 ? kTolBf16 : 1e-5));
+        }
+}
+
 TEST_CASE("router backward on the GPU matches the CPU", "[moe][router][gpu]") {
   REQUIRE_GPU();
   uint64_t seed = 2000;

@@ -124,6 +124,46 @@ TEST_CASE("the same holds for a Qwen3-MoE model (a dense and a sparse layer)", "
   check_on_policy(model);
 }
 
+TEST_CASE("the engine records each input token's experts: the trainer's routing, and its replay is on-policy",
+          "[rollout][moe][replay]") {
+  nn::Qwen3Model model = tiny_moe_model();
+  const std::vector<int> sparse = model.sparse_layers();
+  REQUIRE(sparse == std::vector<int>{1});
+  const int64_t k = model.config().num_experts_per_tok, L = int64_t(sparse.size());
+  rollout::EngineConfig cfg{.max_batch = 4, .max_context = 40, .kv_capacity = 0, .seed = 11};
+  cfg.record_routing = true;
+  rollout::Engine engine(model, cfg);
+  const auto requests = some_requests();
+  const auto out = engine.generate(requests);
+  std::vector<std::vector<int32_t>> seqs;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    std::vector<int32_t> s = requests[i].prompt;
+    s.insert(s.end(), out[i].tokens.begin(), out[i].tokens.end() - 1);
+    REQUIRE(out[i].routing.size() == s.size() * std::size_t(L * k));
+    seqs.push_back(s);
+  }
+  // The trainer's own routing over prompt + completion (but the last token)
+  // equals the engine's, row for row (the CPU computes both bit for bit).
+  const nn::PackedBatch batch = nn::make_packed_batch(seqs);
+  nn::Qwen3Model::Context rec;
+  rec.record_routing = true;
+  const Tensor hidden = model.forward(batch, rec).clone();
+  const std::vector<int32_t> trainer = rec.routing[std::size_t(sparse[0])].to_vector<int32_t>();
+  std::vector<int32_t> engine_rows;  // [T, k] in the packed batch's order (one sparse layer)
+  for (std::size_t i = 0; i < seqs.size(); ++i)
+    engine_rows.insert(engine_rows.end(), out[i].routing.begin(), out[i].routing.end());
+  CHECK(engine_rows == trainer);
+  // Replaying the engine's routing gives the trainer the engine's logprobs.
+  nn::Qwen3Model::Context replay;
+  replay.routing_replay.resize(model.layers().size());
+  replay.routing_replay[std::size_t(sparse[0])] = Tensor::from_vector(engine_rows, {batch.num_tokens(), k});
+  const Tensor replayed = model.forward(batch, replay);
+  CHECK(std::memcmp(replayed.data_ptr(), hidden.data_ptr(), hidden.nbytes()) == 0);
+  // Without record_routing (and for dense models) the field stays empty.
+  rollout::Engine plain(model, {.max_batch = 4, .max_context = 40, .kv_capacity = 0, .seed = 11});
+  for (const rollout::Completion& c : plain.generate(requests)) CHECK(c.routing.empty());
+}
+
 TEST_CASE("a completion does not depend on the batch it runs in", "[rollout]") {
   nn::Qwen3Model model = tiny_model();
   const auto requests = some_requests();

@@ -13,6 +13,8 @@
 //   probs   [T, E] = softmax(logits) in fp32; indices [T, k] = its top-k
 //   weights [T, k] = the top-k probabilities, renormalised when
 //                    norm_topk_prob, cast to the module dtype
+//   (routing replay: Context::replay_indices replaces indices; weights are
+//   those experts' probabilities, renormalised the same way)
 //   y       [T, H] = Σ_j weights[t, j] · down_e(silu(gate_e(x_t)) ⊙ up_e(x_t)),
 //                    e = indices[t, j]
 // Rounding differences from HF are the ops' (see ops/moe_permute.hpp and
@@ -41,8 +43,8 @@
 // whose wgmma kernels beat it), forward copies the dispatch's offsets
 // [E_local + 1] to the host once and synchronises the stream (after queueing
 // the permute, so the GPU stays busy while the host waits); otherwise the
-// grouped GEMMs run the device-offset kernels and forward never synchronises. backward reuses forward's host offsets (Context). The
-// CPU path is unchanged.
+// grouped GEMMs run the device-offset kernels and forward never synchronises. backward reuses forward's host offsets
+// (Context). The CPU path is unchanged.
 //
 // Memory: forward keeps what backward needs in the Context, in buffers that
 // keep their capacity when the Context is reused (one Context per micro-batch
@@ -75,6 +77,12 @@ struct MoeBlockConfig {
 
 struct SparseMoeBlock {
   struct Context {
+    // Routing replay (set by the caller before forward; empty: route by the
+    // top-k): i32 [T, k] on the block's device, the experts each token goes
+    // to (e.g. those the rollout engine chose). The router's probabilities
+    // still come from this forward's logits, and its gradient flows through
+    // the replayed experts' weights (ops::router_forward_replay).
+    Tensor replay_indices;
     Tensor router_logits;  // [T, E] module dtype, as HF returns them
     Tensor probs;          // [T, E] f32 (for the auxiliary loss)
     Tensor indices;        // [T, k] i32, global expert ids
@@ -172,9 +180,18 @@ struct SparseMoeBlock {
     ctx.router_logits = rows_view(b.logits, T, E, dt, dev, stream);
     ops::linear_forward(x, gate.value, ctx.router_logits, stream);
     ctx.probs = rows_view(b.probs, T, E, DType::f32, dev, stream);
-    ctx.indices = rows_view(b.indices, T, k, DType::i32, dev, stream);
     ctx.weights = rows_view(b.weights, T, k, dt, dev, stream);
-    ops::router_forward(ctx.router_logits, config.norm_topk_prob, ctx.probs, ctx.indices, ctx.weights, stream);
+    if (ctx.replay_indices.defined()) {
+      const Tensor& r = ctx.replay_indices;
+      SLIME_CHECK(r.dtype() == DType::i32 && r.shape() == Shape({T, k}) && r.device() == dev, gate.name,
+                  ": replay_indices must be i32 [", T, ", ", k, "] (tokens, num_experts_per_tok) on ", dev, ", got ",
+                  r.str());
+      ctx.indices = r;
+      ops::router_forward_replay(ctx.router_logits, config.norm_topk_prob, ctx.indices, ctx.probs, ctx.weights, stream);
+    } else {
+      ctx.indices = rows_view(b.indices, T, k, DType::i32, dev, stream);
+      ops::router_forward(ctx.router_logits, config.norm_topk_prob, ctx.probs, ctx.indices, ctx.weights, stream);
+    }
 
     ctx.host_offsets.clear();
     if (dispatcher_) {

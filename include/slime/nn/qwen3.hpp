@@ -98,6 +98,18 @@ class Qwen3Model {
     bool differentiable = false;  // from a forward backward may follow (SelfKv)
     Tensor visual_rows;           // VisualEmbeds::rows of the forward (undefined: no images)
     std::size_t deepstack = 0;    // how many deepstack features it added
+    // Routing replay (MoE; set before forward, empty: route by the top-k):
+    // one i32 [T, num_experts_per_tok] tensor per decoder layer on the
+    // model's device, undefined for dense layers; every sparse layer routes
+    // its tokens to these experts (SparseMoeBlock::Context::replay_indices),
+    // e.g. the ones the rollout engine chose for the same tokens.
+    std::vector<Tensor> routing_replay;
+    // Routing record: when record_routing is set, forward leaves each sparse
+    // layer's experts (i32 [T, k], replayed or chosen) in routing[layer]
+    // (undefined for dense layers); also after a forward over a KV cache,
+    // whose layers share one context.
+    bool record_routing = false;
+    std::vector<Tensor> routing;
   };
 
   Qwen3Model() = default;
@@ -260,11 +272,24 @@ class Qwen3Model {
     hooks.forward_end(0);
     if (visual.rows.defined()) ops::scatter_rows(visual.embeds, visual.rows, h, stream);  // masked_scatter
     std::size_t u = 1;                                                                    // the layer's (first) unit
+    const bool replay = !ctx.routing_replay.empty();
+    SLIME_CHECK(!replay || ctx.routing_replay.size() == layers_.size(), "Qwen3Model::forward: routing_replay holds ",
+                ctx.routing_replay.size(), " tensors, expected one per decoder layer (", layers_.size(), ")");
+    ctx.routing.assign(ctx.record_routing ? layers_.size() : 0, Tensor());
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       const bool experts = has_expert_unit(layers_[i]);
+      DecoderLayer::Context& lc = ctx.layers[Kv::differentiable ? i : 0];
+      if (layers_[i].is_sparse()) {
+        SLIME_CHECK(!replay || ctx.routing_replay[i].defined(), "Qwen3Model::forward: routing_replay[", i,
+                    "] is undefined but layer ", i, " is sparse");
+        lc.moe.replay_indices = replay ? ctx.routing_replay[i] : Tensor();
+      }
       hooks.forward_begin(u);
       if (experts) hooks.forward_begin(u + 1);
-      h = layers_[i].forward(h, batch, ctx.layers[Kv::differentiable ? i : 0], stream, kv.layer(i));
+      h = layers_[i].forward(h, batch, lc, stream, kv.layer(i));
+      // A copy: the context's buffer is reused (by the next layer over a KV
+      // cache, by the next forward otherwise).
+      if (ctx.record_routing && layers_[i].is_sparse()) ctx.routing[i] = lc.moe.indices.clone(stream);
       if (experts) hooks.forward_end(u + 1);
       hooks.forward_end(u);
       u += experts ? 2 : 1;

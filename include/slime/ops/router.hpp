@@ -154,45 +154,69 @@ inline Tensor aux_workspace(const Tensor& workspace, std::size_t bytes, const Te
 
 }  // namespace detail::moe_router
 
-// probs [T, E] f32, indices [T, k] i32 and weights [T, k] (logits' dtype or
-// f32) from logits [T, E] (bf16 or f32); k = indices.size(1), 1 <= k <= E.
-inline void router_forward(const Tensor& logits, bool norm_topk_prob, const Tensor& probs, const Tensor& indices,
-                           const Tensor& weights, [[maybe_unused]] const Stream& stream = {}) {
-  constexpr std::string_view op = "router_forward";
-  namespace r = detail::moe_router;
-  r::check_2d(logits, op, "logits", "[tokens, experts]");
-  r::check_f32_bf16(logits, op, "logits");
+namespace detail::moe_router {
+
+// router_forward and router_forward_replay: `replay` reads indices instead of
+// writing them.
+inline void forward(std::string_view op, const Tensor& logits, bool norm_topk_prob, const Tensor& probs,
+                    const Tensor& indices, const Tensor& weights, bool replay, [[maybe_unused]] const Stream& stream) {
+  check_2d(logits, op, "logits", "[tokens, experts]");
+  check_f32_bf16(logits, op, "logits");
   SLIME_CHECK(probs.defined() && probs.shape() == logits.shape(), op, ": probs must have shape ", logits.shape(),
               " (logits's), got ", probs.str());
-  r::check_probs_indices(probs, indices, op);
+  check_probs_indices(probs, indices, op);
   const int64_t tokens = logits.size(0), experts = logits.size(1), k = indices.size(1);
   SLIME_CHECK(weights.defined() && weights.shape() == indices.shape(), op, ": weights must have shape ",
               indices.shape(), " (indices's), got ", weights.str());
   SLIME_CHECK(weights.dtype() == logits.dtype() || weights.dtype() == DType::f32, op,
               ": weights must be the logits' dtype or f32, got ", weights.str(), " for logits ", logits.str());
-  check_same_device(logits, probs, "router_forward: logits", "probs");
-  check_same_device(logits, weights, "router_forward: logits", "weights");
+  const std::string what = std::string(op) + ": logits";
+  check_same_device(logits, probs, what, "probs");
+  check_same_device(logits, weights, what, "weights");
   if (logits.device().is_cuda()) {
 #if SLIME_HAS_CUDA
-    r::check_gpu_experts(experts, op);
+    check_gpu_experts(experts, op);
     const Stream s = detail::memops::stream_for(logits.device(), stream, op);
     DeviceGuard guard(logits.device());
-    cuda::router_forward({logits.data_ptr(), logits.dtype(), tokens, experts, k, norm_topk_prob, probs.data<float>(),
-                          indices.data<int32_t>(), weights.data_ptr(), weights.dtype()},
-                         s.handle());
+    cuda::RouterForwardParams params{
+        logits.data_ptr(),       logits.dtype(),     tokens,          experts, k, norm_topk_prob, probs.data<float>(),
+        indices.data<int32_t>(), weights.data_ptr(), weights.dtype(), replay};
+    cuda::router_forward(params, s.handle());
     return;
 #else
     detail::memops::fail_no_cuda(op);
 #endif
   }
-  r::visit_f32_bf16(logits.dtype(), [&](auto lt) {
+  visit_f32_bf16(logits.dtype(), [&](auto lt) {
     using T = decltype(lt);
-    r::visit_f32_bf16(weights.dtype(), [&](auto wt) {
+    visit_f32_bf16(weights.dtype(), [&](auto wt) {
       using TW = decltype(wt);
       cpu::router_forward(logits.data<T>(), tokens, experts, k, norm_topk_prob, probs.data<float>(),
-                          indices.data<int32_t>(), weights.data<TW>());
+                          indices.data<int32_t>(), weights.data<TW>(), replay);
     });
   });
+}
+
+}  // namespace detail::moe_router
+
+// probs [T, E] f32, indices [T, k] i32 and weights [T, k] (logits' dtype or
+// f32) from logits [T, E] (bf16 or f32); k = indices.size(1), 1 <= k <= E.
+inline void router_forward(const Tensor& logits, bool norm_topk_prob, const Tensor& probs, const Tensor& indices,
+                           const Tensor& weights, const Stream& stream = {}) {
+  detail::moe_router::forward("router_forward", logits, norm_topk_prob, probs, indices, weights, false, stream);
+}
+
+// Routing replay (rollout routing replay: the trainer routes each token to
+// the experts the rollout engine chose): as router_forward, but indices [T, k]
+// is read, not written. weights[t, j] = probs[t, indices[t, j]], divided by
+// the sum over the row's valid slots when norm_topk_prob (0 where that sum is
+// 0); an id outside [0, E) weighs 0 (and the dispatch drops its copy, as any
+// such id). Replaying
+// router_forward's own indices gives its weights bit for bit (same device).
+// router_backward takes the replayed indices as it takes the top-k.
+inline void router_forward_replay(const Tensor& logits, bool norm_topk_prob, const Tensor& indices, const Tensor& probs,
+                                  const Tensor& weights, const Stream& stream = {}) {
+  detail::moe_router::forward("router_forward_replay", logits, norm_topk_prob, probs, indices, weights, true, stream);
 }
 
 // dlogits [T, E] (bf16 or f32; = or += with accumulate) from dweights [T, k]

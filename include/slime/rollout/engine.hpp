@@ -82,6 +82,9 @@ struct EngineConfig {
   int64_t max_context = 0;  // prompt + completion tokens per sequence; 0: max_position_embeddings
   int64_t kv_capacity = 0;  // KV arena rows per layer; 0: max_batch * max_context
   uint64_t seed = 0;        // sampling seed (with each request's sample_id)
+  // MoE models: record the experts every input token went to
+  // (Completion::routing), for rollout routing replay in the trainer.
+  bool record_routing = false;
 };
 
 struct Request {
@@ -105,6 +108,14 @@ struct Completion {
   FinishReason finish = FinishReason::length;
   std::string error;           // why the request failed (finish == error)
   int64_t weight_version = 0;  // the engine's weight version when the request finished
+  // EngineConfig::record_routing (MoE models; empty otherwise): the experts
+  // each input token of the sequence went to, i32 [rows][sparse layers][k]
+  // flattened, rows = prompt + tokens - 1 (the prompt, then every generated
+  // token but the last, which is never an input), the sparse layers in
+  // Qwen3Model::sparse_layers() order, each row's k experts in router order.
+  // Exactly what the trainer's forward over the same rows replays
+  // (Qwen3Model::Context::routing_replay).
+  std::vector<int32_t> routing;
 };
 
 class Engine {
@@ -324,10 +335,12 @@ class Engine {
     const bool mrope = c.uses_mrope();  // positions [T, 3], else [T]
     std::vector<ArenaSegment> segs;
     std::vector<int32_t> tokens, positions, last_rows, image_rows;
-    std::vector<std::size_t> with_images;  // requests whose prompt (and images) this step prefills
+    std::vector<std::pair<int64_t, int64_t>> step_rows;  // per running sequence: its first row, its row count
+    std::vector<std::size_t> with_images;                // requests whose prompt (and images) this step prefills
     for (const Running& r : running) {
       segs.push_back({r.start, r.cached, int64_t(r.pending.size())});
       const int64_t row0 = int64_t(tokens.size());
+      step_rows.emplace_back(row0, int64_t(r.pending.size()));
       tokens.insert(tokens.end(), r.pending.begin(), r.pending.end());
       if (!r.prompt_positions.empty()) {  // a VL prefill
         positions.insert(positions.end(), r.prompt_positions.begin(), r.prompt_positions.end());
@@ -382,6 +395,8 @@ class Engine {
     // and values are written into it).
     nn::Qwen3Model::Context ctx;
     nn::NoHooks no_hooks;
+    const std::vector<int> sparse = model_->sparse_layers();
+    ctx.record_routing = cfg_.record_routing && !sparse.empty();
     const Tensor hidden = model_->forward(batch, ctx, stream, no_hooks, arena_.source(lay, write_rows, cu_k), visual);
     const Tensor last = Tensor::empty({B, c.hidden_size}, model_->dtype(), dev, stream);
     ops::gather_rows(hidden, last_index, last, stream);
@@ -416,10 +431,23 @@ class Engine {
       }
     }
 
+    // The step's routing, per sparse layer [T, k] on the host (after the
+    // wait for the sampled tokens: no extra stall).
+    std::vector<std::vector<int32_t>> routing;
+    if (ctx.record_routing)
+      for (int l : sparse) routing.push_back(ctx.routing[std::size_t(l)].to_vector<int32_t>(stream));
+    const int64_t k = c.num_experts_per_tok;
+
     for (int64_t b = 0; b < B; ++b) {
       Running& r = running[std::size_t(b)];
       const Request& req = requests[r.request];
       Completion& done = out[r.request];
+      if (ctx.record_routing) {
+        const auto [row0, rows] = step_rows[std::size_t(b)];
+        for (int64_t row = row0; row < row0 + rows; ++row)
+          for (const std::vector<int32_t>& ids : routing)
+            done.routing.insert(done.routing.end(), ids.begin() + row * k, ids.begin() + (row + 1) * k);
+      }
       r.cached += int64_t(r.pending.size());
       r.prompt_positions.clear();
       const int32_t t = sampled[std::size_t(b)];

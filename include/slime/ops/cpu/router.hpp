@@ -49,9 +49,14 @@ using router_acc_t = memops::acc_t<T>;
 //   weights[t, j]  = probs[t, indices[t, j]], divided by Σ_j of those when
 //                    norm_topk_prob; rounded once into TW.
 // Requires 1 <= k <= experts.
+// Routing replay (`replay`): indices are read instead of written, the experts
+// a rollout engine chose; weights[t, j] = probs[t, indices[t, j]] (divided by
+// the sum of those when norm_topk_prob; a row whose sum is 0, e.g. with no
+// valid id, gets weights 0), with an id outside [0, experts) weighted 0 and
+// left out of the sum. Replaying the top-k gives the same weights bit for bit.
 template <class T, class P, class TW>
 void router_forward(const T* logits, int64_t tokens, int64_t experts, int64_t k, bool norm_topk_prob, P* probs,
-                    int32_t* indices, TW* weights) {
+                    int32_t* indices, TW* weights, bool replay = false) {
   std::vector<char> taken(static_cast<std::size_t>(experts));
   for (int64_t t = 0; t < tokens; ++t) {
     const T* l = logits + t * experts;
@@ -64,6 +69,16 @@ void router_forward(const T* logits, int64_t tokens, int64_t experts, int64_t k,
       sum += p[e];
     }
     for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+    if (replay) {
+      const int32_t* idx = indices + t * k;
+      auto chosen = [&](int64_t j) { return idx[j] >= 0 && idx[j] < experts ? p[idx[j]] : P(0); };
+      P sel_sum = 0;
+      for (int64_t j = 0; j < k; ++j) sel_sum += chosen(j);
+      for (int64_t j = 0; j < k; ++j)
+        weights[t * k + j] =
+            memops::from_acc<TW>(norm_topk_prob ? (sel_sum > P(0) ? chosen(j) / sel_sum : P(0)) : chosen(j));
+      continue;
+    }
     std::fill(taken.begin(), taken.end(), char(0));
     P sel_sum = 0;
     for (int64_t j = 0; j < k; ++j) {

@@ -39,6 +39,7 @@ struct RouterForwardParams {
   int32_t* indices;  // [tokens, k]
   void* weights;     // [tokens, k] of weights_dtype (f32 or bf16)
   DType weights_dtype;
+  bool replay = false;  // indices are read (routing replay), not written
 };
 
 struct RouterBackwardParams {
