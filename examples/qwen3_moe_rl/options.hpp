@@ -43,6 +43,11 @@ struct Options {
   bool unbiased_kl = false;    // KL x exp(lp - old)
   double kl_coef = 0;
   double entropy_coef = 0;
+  // MoE rollout routing (as slime's --use-rollout-routing-replay): off | measure
+  // (the engine records each input token's experts; the metrics report how
+  // often the trainer's router picks the same ones) | replay (the trainer
+  // routes every token to the engine's experts).
+  std::string routing = "off";
   std::string empty_sequences = "count";  // count (slime's) | skip: responses without loss tokens in the normalisers
   // On-policy distillation (slime's --opd-kl-coef): a frozen teacher.
   std::string teacher;       // HF directory; empty: no distillation
@@ -141,6 +146,13 @@ struct Options {
                    "--tis-batch-normalize: the bounded weights of every loss token, rejected ones included; per "
                    "sequence for the sequence and geometric levels) | kept (the kept weights only, so the weights "
                    "in the loss average 1)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--routing", routing,
+                   "MoE rollout routing: off | measure (the engine records each token's experts; metrics.jsonl's "
+                   "routing_agreement is the fraction of (token, sparse layer) pairs whose experts the trainer's "
+                   "router picks too) | replay (the trainer routes every token to the engine's experts, as "
+                   "slime's --use-rollout-routing-replay)")
         ->capture_default_str()
         ->group(g);
     app.add_option("--is-low", is_low, "importance weight lower bound")->capture_default_str()->group(g);

@@ -64,6 +64,8 @@ struct StepMetrics {
   slime::rl::PolicyLossMetrics loss;        // additive (global normalisers)
   slime::rl::ImportanceMetrics importance;  // additive
   slime::rl::LogprobMismatch on_policy;     // trainer vs engine logprobs of the sampled tokens
+  int64_t routing_rows = 0;                 // --routing measure: (token, sparse layer) pairs compared
+  int64_t routing_agreed = 0;               // of them, those where the trainer's router chose the engine's experts
   double opd_reverse_kl = 0;                // --teacher: Σ (student lp - teacher lp) over the response tokens
   int64_t peak_memory_bytes = 0;            // the step's device high-water mark, max over ranks
   // This rank's (rank 0 logs its own).
@@ -97,6 +99,8 @@ struct StepMetrics {
     f(on_policy.mismatched, Reduce::sum);
     f(on_policy.abs_diff_sum, Reduce::sum);
     f(on_policy.abs_diff_max, Reduce::max);
+    f(routing_rows, Reduce::sum);
+    f(routing_agreed, Reduce::sum);
     f(opd_reverse_kl, Reduce::sum);
     f(peak_memory_bytes, Reduce::max);
   }
@@ -111,32 +115,36 @@ struct StepMetrics {
   slime::io::Scalars scalars() const {
     const double n = double(std::max<int64_t>(samples, 1));
     const slime::rl::ImportanceMetrics& im = importance;
-    return {{"reward", reward / n},
-            {"loss", loss.loss},
-            {"pg_loss", loss.pg_loss},
-            {"kl", loss.kl},
-            {"entropy", loss.entropy},
-            {"clip_fraction", loss.clip_fraction},
-            {"importance_weight_mean", im.kept > 0 ? im.weight_sum / im.kept : 1.0},
-            {"importance_clip_fraction", im.tokens > 0 ? im.clipped / im.tokens : 0.0},
-            {"kl_rollout_k3", im.tokens > 0 ? im.k3_sum / im.tokens : 0.0},
-            // the engine/trainer logprob gap over the response tokens (all 0: true on-policy)
-            {"logprob_diff_max", on_policy.max_abs_diff()},
-            {"logprob_diff_mean", on_policy.mean_abs_diff()},
-            {"logprob_mismatch_fraction", on_policy.mismatch_fraction()},
-            // --teacher: the mean reverse KL (k1) to the teacher per response token (0 without)
-            {"opd_reverse_kl", response_tokens > 0 ? opd_reverse_kl / double(response_tokens) : 0.0},
-            {"tokens", double(tokens)},
-            {"response_length", double(response_tokens) / n},
-            {"lr", lr},
-            {"grad_norm", grad_norm},
-            // rank 0's wall time of the step's phases
-            {"rollout_seconds", rollout_seconds},
-            {"train_seconds", train_seconds},
-            {"sync_seconds", sync_seconds},
-            {"peak_memory_bytes", double(peak_memory_bytes)},
-            {"step_seconds", step_seconds},
-            {"tokens_per_s", double(tokens) / std::max(step_seconds, 1e-9)}};
+    slime::io::Scalars out{{"reward", reward / n},
+                           {"loss", loss.loss},
+                           {"pg_loss", loss.pg_loss},
+                           {"kl", loss.kl},
+                           {"entropy", loss.entropy},
+                           {"clip_fraction", loss.clip_fraction},
+                           {"importance_weight_mean", im.kept > 0 ? im.weight_sum / im.kept : 1.0},
+                           {"importance_clip_fraction", im.tokens > 0 ? im.clipped / im.tokens : 0.0},
+                           {"kl_rollout_k3", im.tokens > 0 ? im.k3_sum / im.tokens : 0.0},
+                           // the engine/trainer logprob gap over the response tokens (all 0: true on-policy)
+                           {"logprob_diff_max", on_policy.max_abs_diff()},
+                           {"logprob_diff_mean", on_policy.mean_abs_diff()},
+                           {"logprob_mismatch_fraction", on_policy.mismatch_fraction()},
+                           // --teacher: the mean reverse KL (k1) to the teacher per response token (0 without)
+                           {"opd_reverse_kl", response_tokens > 0 ? opd_reverse_kl / double(response_tokens) : 0.0},
+                           {"tokens", double(tokens)},
+                           {"response_length", double(response_tokens) / n},
+                           {"lr", lr},
+                           {"grad_norm", grad_norm},
+                           // rank 0's wall time of the step's phases
+                           {"rollout_seconds", rollout_seconds},
+                           {"train_seconds", train_seconds},
+                           {"sync_seconds", sync_seconds},
+                           {"peak_memory_bytes", double(peak_memory_bytes)},
+                           {"step_seconds", step_seconds},
+                           {"tokens_per_s", double(tokens) / std::max(step_seconds, 1e-9)}};
+    // --routing measure: the fraction of (token, sparse layer) pairs whose
+    // experts the trainer's router chose as the engine did (1: on-policy routing)
+    if (routing_rows > 0) out.emplace_back("routing_agreement", double(routing_agreed) / double(routing_rows));
+    return out;
   }
 };
 

@@ -120,7 +120,8 @@ inline nn::Qwen3Config model_config(const Options& o) {
 // The rollout engine's configuration (colocated on a trainer rank, or on an
 // engine rank under --rollout disaggregated).
 inline rollout::EngineConfig engine_config(const Options& o, int64_t context) {
-  return rollout::EngineConfig{.max_batch = 256, .max_context = context, .kv_capacity = 0, .seed = o.seed};
+  return rollout::EngineConfig{
+      .max_batch = 256, .max_context = context, .kv_capacity = 0, .seed = o.seed, .record_routing = o.routing != "off"};
 }
 
 // What rank 0 keeps of a step.
@@ -151,6 +152,11 @@ struct MicroBatch {
   Tensor advantages;                 // f32 [T] host (0 outside the loss)
   Tensor cu_seqlens;                 // i32 [S + 1] host
   int64_t response_tokens = 0;
+  // --routing measure | replay: the engine's experts of every row, one i32
+  // [T, k] per decoder layer on the device (undefined for dense layers);
+  // rows outside the sequences (an empty micro-batch) go to experts 0..k-1.
+  std::vector<Tensor> engine_routing;
+  std::vector<uint8_t> routed_rows;  // 1 where a row's experts came from the engine
 };
 
 // Wall time of finished work: a lap first waits for the device.
@@ -290,6 +296,16 @@ class Trainer {
     (void)parse_choice<int>("--mis-mode", o_.mis_mode, {{"truncate", 0}, {"clip", 0}, {"mask", 0}});
     (void)is_renormalize();
     (void)parse_choice<int>("--lr-schedule", o_.lr_schedule, {{"constant", 0}, {"warmup", 0}, {"cosine", 0}});
+    (void)routing_mode();
+    SLIME_CHECK(config_.is_moe() || o_.routing == "off", "--routing ", o_.routing,
+                ": the model is not a mixture of experts (it has no routing to record or replay)");
+  }
+
+  enum class RoutingMode { off, measure, replay };
+  RoutingMode routing_mode() const {
+    return parse_choice<RoutingMode>(
+        "--routing", o_.routing,
+        {{"off", RoutingMode::off}, {"measure", RoutingMode::measure}, {"replay", RoutingMode::replay}});
   }
 
   static parallel::RingKv ring_kv(const Options& o) {
@@ -542,7 +558,62 @@ class Trainer {
     mb.rollout_lp = Tensor::from_vector(rollout_lp, {T});
     mb.advantages = Tensor::from_vector(adv, {T});
     mb.cu_seqlens = Tensor::from_vector(p.cu_seqlens, {S + 1});
+    if (routing_mode() != RoutingMode::off) engine_routing(p, r, samples, mb);
     return mb;
+  }
+
+  // The engine's experts (Completion::routing: [rows][sparse layers][k],
+  // rows = the sample's inputs) laid out as the micro-batch's rows, one
+  // [T, k] tensor per sparse layer.
+  void engine_routing(const data::MicroBatch& p, const Rollout& r, const std::vector<data::Sample>& samples,
+                      MicroBatch& mb) const {
+    const int64_t T = p.num_tokens(), k = config_.num_experts_per_tok;
+    std::vector<int> sparse;
+    for (int i = 0; i < config_.num_hidden_layers; ++i)
+      if (config_.is_sparse_layer(i)) sparse.push_back(i);
+    const int64_t L = int64_t(sparse.size());
+    std::vector<std::vector<int32_t>> ids(std::size_t(L), std::vector<int32_t>(std::size_t(T * k)));
+    for (std::vector<int32_t>& v : ids)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < k; ++j) v[std::size_t(t * k + j)] = int32_t(j);
+    mb.routed_rows.assign(std::size_t(T), 0);
+    for (int q = 0; q < p.num_sequences(); ++q) {
+      const std::size_t i = std::size_t(p.sample_index[std::size_t(q)]);
+      const std::vector<int32_t>& rec = r.responses[i].routing;
+      const int64_t begin = p.cu_seqlens[std::size_t(q)], len = samples[i].length();
+      SLIME_CHECK(int64_t(rec.size()) == len * L * k, "--routing: the engine recorded ", rec.size(),
+                  " expert ids for response ", i, ", expected ", len, " rows x ", L, " sparse layers x ", k);
+      for (int64_t t = 0; t < len; ++t) {
+        mb.routed_rows[std::size_t(begin + t)] = 1;
+        for (int64_t l = 0; l < L; ++l)
+          std::copy_n(rec.begin() + (t * L + l) * k, k, ids[std::size_t(l)].begin() + (begin + t) * k);
+      }
+    }
+    mb.engine_routing.assign(std::size_t(config_.num_hidden_layers), Tensor());
+    for (int64_t l = 0; l < L; ++l)
+      mb.engine_routing[std::size_t(sparse[std::size_t(l)])] =
+          Tensor::from_vector(ids[std::size_t(l)], {T, k}, device_);
+  }
+
+  // --routing measure: over the micro-batch's sequence rows and sparse
+  // layers, the (row, layer) pairs whose k experts the trainer's router chose
+  // as the engine did (as sets: the order of equal-weight experts may differ).
+  void count_routing_agreement(const MicroBatch& mb, const std::vector<Tensor>& trainer, StepMetrics& m) const {
+    const int64_t k = config_.num_experts_per_tok;
+    for (std::size_t l = 0; l < trainer.size(); ++l) {
+      if (!trainer[l].defined()) continue;
+      const Tensor whole = cp_ ? cp_->gather(trainer[l]) : trainer[l];
+      const std::vector<int32_t> mine = whole.to_vector<int32_t>(), theirs = mb.engine_routing[l].to_vector<int32_t>();
+      for (std::size_t t = 0; t < mb.routed_rows.size(); ++t) {
+        if (mb.routed_rows[t] == 0) continue;
+        std::vector<int32_t> a(mine.begin() + int64_t(t) * k, mine.begin() + int64_t(t + 1) * k);
+        std::vector<int32_t> b(theirs.begin() + int64_t(t) * k, theirs.begin() + int64_t(t + 1) * k);
+        std::sort(a.begin(), a.end());
+        std::sort(b.begin(), b.end());
+        ++m.routing_rows;
+        if (a == b) ++m.routing_agreed;
+      }
+    }
   }
 
   // 5. Loss and backward, micro-batch by micro-batch, with the normalisers
@@ -594,7 +665,13 @@ class Trainer {
     }
     const auto whole = [&](const Tensor& t) { return cp_ ? cp_->gather(t) : t; };
     typename Policy::Context ctx;
+    const RoutingMode routing = routing_mode();
+    if (routing == RoutingMode::replay)
+      for (const Tensor& ids : mb.engine_routing)
+        ctx.routing_replay.push_back(cp_ && ids.defined() ? cp_->local_rows(ids) : ids);
+    ctx.record_routing = routing == RoutingMode::measure;
     const Tensor hidden = policy_->forward(local, ctx);
+    if (routing == RoutingMode::measure) count_routing_agreement(mb, ctx.routing, m);
     const ops::TokenLogprobs fwd = policy_->token_logprobs(hidden, targets, o_.temperature);
     rl::PolicyLossTensors in;
     in.lp = whole(fwd.logprobs);

@@ -42,6 +42,7 @@ std::vector<rollout::Completion> some_completions() {
   cs[0].logprobs = {-0.f, -1e-30f, -std::numeric_limits<float>::infinity()};
   cs[0].finish = rollout::FinishReason::stop;
   cs[0].weight_version = 41;
+  cs[0].routing = {3, 0, 127, -1, 2, 2, 64, 1};  // engine routing (record_routing), ids as they came
   cs[1].sample_id = 10;
   cs[1].finish = rollout::FinishReason::error;
   cs[1].error = "prompt of 0 tokens\twith a tab and é";
@@ -99,6 +100,7 @@ TEST_CASE("requests and completions cross ranks field for field", "[rollout][rem
     CHECK(back[i].finish == replies[i].finish);
     CHECK(back[i].error == replies[i].error);
     CHECK(back[i].weight_version == replies[i].weight_version);
+    CHECK(back[i].routing == replies[i].routing);
   }
   CHECK(none_got.empty());
 }

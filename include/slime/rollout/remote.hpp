@@ -141,6 +141,7 @@ inline void send_completions(comm::Comm& comm, int peer, const std::vector<Compl
     w.put(int64_t(c.finish));
     w.put_string(c.error);
     w.put(c.weight_version);
+    w.put_seq(c.routing);
   }
   detail::remote::send_words(comm, peer, w.words, device);
 }
@@ -158,6 +159,7 @@ inline std::vector<Completion> recv_completions(comm::Comm& comm, int peer, Devi
     c.finish = FinishReason(finish);
     c.error = r.get_string();
     c.weight_version = r.get();
+    c.routing = r.get_seq<int32_t>();
   }
   SLIME_CHECK(r.at == words.size(), "rollout remote: ", words.size() - r.at, " words left after the completions");
   return out;
