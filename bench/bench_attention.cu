@@ -63,7 +63,7 @@ constexpr int kRepetitions = 5;  // runs; the median is reported
 constexpr int64_t kCheckRows = 64;
 
 // The RL-like batch (keep equal to torch_attention.py's VARLEN_RL).
-constexpr int32_t kRlLens[] = {412,  1630, 3071, 788,  5120, 2290, 96,   7400, 1345, 2811, 660, 4096,
+constexpr int32_t kRlLens[] = {412,  1630, 3071, 788,  5120, 2290, 96,   7400, 1345, 2811, 660,  4096,
                                1980, 350,  6032, 1207, 2600, 905,  3550, 150,  4870, 1500, 2222, 731};
 constexpr int64_t kRlSeqs = int64_t(sizeof(kRlLens) / sizeof(kRlLens[0]));
 
@@ -74,8 +74,8 @@ struct AttnShape {
   bool rl = false;
 };
 
-constexpr AttnShape kShapes[] = {{128, 1, 4096}, {128, 1, 16384}, {128, 4, 1024},     {64, 1, 2048},
-                                 {64, 4, 512},   {80, 1, 2048},  {256, 1, 2048}, {128, kRlSeqs, 7400, true}};
+constexpr AttnShape kShapes[] = {{128, 1, 4096}, {128, 1, 16384}, {128, 4, 1024}, {64, 1, 2048},
+                                 {64, 4, 512},   {80, 1, 2048},   {256, 1, 2048}, {128, kRlSeqs, 7400, true}};
 
 std::vector<int64_t> lengths(const AttnShape& s) {
   if (s.rl) return std::vector<int64_t>(std::begin(kRlLens), std::end(kRlLens));
@@ -132,7 +132,9 @@ Problem& problem(const AttnShape& s) {
 }
 
 // The /mma rows: the mma.sync forward forced (AttentionKernel::mma_sync), the
-// Hopper kernel's before / after in the same run.
+// Hopper kernel's before / after in the same run; the /sm90 rows: the Hopper
+// kernels forced (the backward's is chosen automatically only with
+// SLIME_ATTENTION_SM90_BWD=1 until it is measured).
 slime::ops::AttentionKernel g_kernel = slime::ops::AttentionKernel::automatic;
 
 void forward(Problem& p) {
@@ -239,8 +241,11 @@ void run_attention(benchmark::State& state, AttnShape s, Op op, bool determinist
   slime::bench::run_or_skip(state, [&] {
     Problem& p = problem(s);
     static std::map<std::string, std::string> verdicts;
-    if (!slime::bench::passed_check(state, verdicts, shape_name(s) + op_name(op) + (deterministic ? "det" : "") +
-                                                        (kernel == slime::ops::AttentionKernel::mma_sync ? "mma" : ""),
+    const std::string kernel_tag = kernel == slime::ops::AttentionKernel::mma_sync ? "mma"
+                                   : kernel == slime::ops::AttentionKernel::sm90   ? "sm90"
+                                                                                   : "";
+    if (!slime::bench::passed_check(state, verdicts,
+                                    shape_name(s) + op_name(op) + (deterministic ? "det" : "") + kernel_tag,
                                     [&] { return check_once(p, op); }))
       return;
     if (op == Op::bwd) forward(p);
@@ -262,6 +267,13 @@ int main(int argc, char** argv) {
         slime::bench::register_manual(
             name + "/mma",
             [s, op](benchmark::State& st) { run_attention(st, s, op, false, slime::ops::AttentionKernel::mma_sync); },
+            benchmark::kMicrosecond, kIterations, kRepetitions);
+      // The Hopper backward forced (AttentionKernel::sm90: forward and
+      // backward), beside the automatic choice's mma.sync backward.
+      if (op != Op::fwd && (s.head_dim == 64 || s.head_dim == 128))
+        slime::bench::register_manual(
+            name + "/sm90",
+            [s, op](benchmark::State& st) { run_attention(st, s, op, false, slime::ops::AttentionKernel::sm90); },
             benchmark::kMicrosecond, kIterations, kRepetitions);
       if (op != Op::fwd)  // the deterministic backward's cost
         slime::bench::register_manual(

@@ -232,8 +232,9 @@ def main():
         for d, b, s in SHAPES:
             for op in ("fwd", "bwd", "fwdbwd"):
                 name = bench_name(d, b, s, op, "flash")
-                # "/mma": slime's mma.sync forward forced (AttentionKernel::mma_sync), same torch rows.
-                for slime_name in [name] + ([name + "/mma"] if op == "fwd" else []):
+                # "/mma": slime's mma.sync forward forced (AttentionKernel::mma_sync); "/sm90": its
+                # Hopper kernels forced, backward included (AttentionKernel::sm90); same torch rows.
+                for slime_name in [name] + ([name + "/mma"] if op == "fwd" else [name + "/sm90"]):
                     sl = slime.get(slime_name)
                     if slime_name != name and not sl:
                         continue
@@ -245,14 +246,17 @@ def main():
                     print(f"{slime_name:<34} " + " ".join(cells))
         # The RL-like batch: each backend's faster way (padded or per sequence).
         for op in ("fwd", "bwd", "fwdbwd"):
-            sl = slime.get(varlen_name(op))
-            cells = [f"{sl:8.1f}" if sl else f"{'-':>8}"]
-            for backend, _ in BACKENDS:
-                ts = [by_name.get(varlen_name(op, backend, w), {}).get("tflops") for w in VARLEN_WAYS]
-                t = max((x for x in ts if x), default=None)
-                cells.append(f"{t:8.1f}" if t else f"{'-':>8}")
-                cells.append(f"{sl / t:6.2f}" if sl and t else f"{'-':>6}")
-            print(f"{varlen_name(op):<34} " + " ".join(cells) + "   (torch: the faster of padded / per sequence)")
+            for slime_name in [varlen_name(op)] + ([] if op == "fwd" else [varlen_name(op) + "/sm90"]):
+                sl = slime.get(slime_name)
+                if slime_name != varlen_name(op) and not sl:
+                    continue
+                cells = [f"{sl:8.1f}" if sl else f"{'-':>8}"]
+                for backend, _ in BACKENDS:
+                    ts = [by_name.get(varlen_name(op, backend, w), {}).get("tflops") for w in VARLEN_WAYS]
+                    t = max((x for x in ts if x), default=None)
+                    cells.append(f"{t:8.1f}" if t else f"{'-':>8}")
+                    cells.append(f"{sl / t:6.2f}" if sl and t else f"{'-':>6}")
+                print(f"{slime_name:<34} " + " ".join(cells) + "   (torch: the faster of padded / per sequence)")
     return 1 if any("error" in r for r in rows if r["backend"] == "flash") else 0
 
 

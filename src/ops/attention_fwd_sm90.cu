@@ -53,13 +53,14 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <string_view>
 
-#include "slime/core/error.hpp"
 #include "attention_kernels.cuh"
+#include "attention_sm90_common.hpp"
+#include "slime/core/error.hpp"
 #include "slime/ops/cuda/attention.hpp"
 #include "sm90.cuh"
 #include "tensor_map.hpp"
@@ -84,9 +85,9 @@ struct Sm90FwdTile {
   static_assert(kD == 64 || kD == 128, "the Hopper forward runs head_dim 64 and 128");
   static constexpr int kBM = 128, kBN = 128;
   static constexpr int kStages = kStagesT;
-  static constexpr int kBoxes = kD / 64;            // 128-byte column boxes of a row
-  static constexpr int kQBytes = kBM * kD * 2;      // 16 or 32 KB
-  static constexpr int kKVBytes = kBN * kD * 2;     // one K or V stage
+  static constexpr int kBoxes = kD / 64;         // 128-byte column boxes of a row
+  static constexpr int kQBytes = kBM * kD * 2;   // 16 or 32 KB
+  static constexpr int kKVBytes = kBN * kD * 2;  // one K or V stage
   // Warpgroups 0 and 1 consume, warpgroup 2 produces (one thread issues the
   // copies). setmaxnreg moves registers from the producer (24) to the
   // consumers (240): 128 x 24 + 256 x 240 <= 65536.
@@ -298,7 +299,7 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD, kStagesT>::kThreads, 1)
 
       // Mask (when block n holds a key some row must not see), then the online
       // softmax of s in place: s becomes P; returns the rescale of O and l.
-      auto softmax = [&](int n, float (&corr)[2]) {
+      auto softmax = [&](int n, float(&corr)[2]) {
         if ((n + 1) * kBN > full_end) {
 #pragma unroll
           for (int j = 0; j < kBN / 8; ++j)
@@ -338,7 +339,7 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD, kStagesT>::kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) pa[kk][e] = pack_bf16(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
       };
-      auto rescale = [&](const float (&corr)[2]) {
+      auto rescale = [&](const float(&corr)[2]) {
 #pragma unroll
         for (int j = 0; j < kD / 8; ++j)
 #pragma unroll
@@ -427,13 +428,8 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD, kStagesT>::kThreads, 1)
 #endif
 }
 
-// A bf16 [tokens, heads, d] tensor as a 3-D map (d, heads, tokens), boxes of
-// {64, 1, rows}.
 CUtensorMap map_heads(const void* base, int64_t tokens, int64_t heads, int d, int rows) {
-  const uint64_t dims[3] = {uint64_t(d), uint64_t(heads), uint64_t(tokens)};
-  const uint64_t strides[2] = {uint64_t(d) * 2, uint64_t(heads) * uint64_t(d) * 2};
-  const uint32_t box[3] = {64, 1, uint32_t(rows)};
-  return ::slime::ops::detail::tma::make_tensor_map("attention (Hopper forward)", base, 3, dims, strides, box);
+  return ::slime::ops::detail::tma::make_heads_map("attention (Hopper forward)", base, tokens, heads, d, rows);
 }
 
 template <int kD, int kStages, class Mask>
@@ -455,24 +451,16 @@ void launch_sm90(const AttentionForwardParams& p, cudaStream_t stream) {
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
-
 // "" when the Hopper forward can run p, else why not.
 const char* sm90_refusal(const AttentionForwardParams& p) {
-  if (p.head_dim != 64 && p.head_dim != 128) return "it runs head_dim 64 and 128 only";
-  if (!::slime::ops::detail::tma::sm90_device())
-    return "it needs an sm_90 (Hopper) GPU and a build for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a)";
   if (p.tokens_q == 0 || p.tokens_k == 0) return "it needs at least one query and one key token";
-  if (!aligned16(p.q) || !aligned16(p.k) || !aligned16(p.v) || !aligned16(p.o))
-    return "its tensor maps need q, k, v and o 16-byte aligned";
-  return "";
+  return ::slime::ops::detail::attention_sm90::refusal(p.head_dim, {p.q, p.k, p.v, p.o},
+                                                       "its tensor maps need q, k, v and o 16-byte aligned");
 }
 
+// SLIME_ATTENTION_SM90=0 turns the automatic choice of the Hopper forward off.
 bool sm90_env_allows() {
-  static const bool on = [] {
-    const char* v = std::getenv("SLIME_ATTENTION_SM90");
-    return v == nullptr || std::string_view(v) != "0";
-  }();
+  static const bool on = ::slime::ops::detail::attention_sm90::env_switch("SLIME_ATTENTION_SM90", true);
   return on;
 }
 
@@ -485,8 +473,8 @@ bool detail::attention_forward_sm90(const AttentionForwardParams& p, StreamHandl
   if (want == AttentionKernel::mma_sync) return false;
   const char* refusal = sm90_refusal(p);
   if (want == AttentionKernel::sm90) {
-    SLIME_CHECK(*refusal == '\0', "attention: the Hopper forward kernel (AttentionKernel::sm90) cannot run this call: ",
-                refusal);
+    SLIME_CHECK(*refusal == '\0',
+                "attention: the Hopper forward kernel (AttentionKernel::sm90) cannot run this call: ", refusal);
   } else if (*refusal != '\0' || !sm90_env_allows()) {
     return false;
   }

@@ -1034,7 +1034,7 @@ void backward_launch(const AttentionBackwardParams& bp, cudaStream_t stream) {
         static_cast<const bf16*>(p.o), static_cast<const bf16*>(bp.d_o), bp.workspace + n, rows);
     SLIME_CUDA_CHECK_LAUNCH();
   }
-  if (p.max_seqlen_k > 0 && p.tokens_k > 0) {
+  if (p.max_seqlen_k > 0 && p.tokens_k > 0 && !::slime::ops::cuda::detail::attention_backward_sm90(bp, stream)) {
     if (p.options.causal) {
       launch_backward_main<BwdConfig<kD>, CausalMask>(bp, stream);
     } else {

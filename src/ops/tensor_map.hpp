@@ -5,8 +5,8 @@
 #pragma once
 
 #include <cuda.h>
-#include <cuda_runtime.h>
 #include <cudaTypedefs.h>
+#include <cuda_runtime.h>
 
 #include <atomic>
 #include <cstdint>
@@ -35,13 +35,22 @@ inline CUtensorMap make_tensor_map(const char* what, const void* base, int rank,
                                    CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
   CUtensorMap m;
   const uint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r = tensor_map_encoder()(
-      &m, dtype, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = tensor_map_encoder()(&m, dtype, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box,
+                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   SLIME_CHECK(r == CUDA_SUCCESS, what, ": cuTensorMapEncodeTiled failed (error ", int(r), ", rank ", rank, ", dims ",
               dims[0], " x ", dims[1], rank > 2 ? " x ..." : "", ")");
   return m;
+}
+
+// A bf16 [tokens, heads, d] tensor (the attention kernels' q, k, v, o, dO) as
+// a 3-D map (d, heads, tokens) with boxes of {64, 1, rows}: a box never
+// crosses heads, and rows past the tensor are zero-filled.
+inline CUtensorMap make_heads_map(const char* what, const void* base, int64_t tokens, int64_t heads, int d, int rows) {
+  const uint64_t dims[3] = {uint64_t(d), uint64_t(heads), uint64_t(tokens)};
+  const uint64_t strides[2] = {uint64_t(d) * 2, uint64_t(heads) * uint64_t(d) * 2};
+  const uint32_t box[3] = {64, 1, uint32_t(rows)};
+  return make_tensor_map(what, base, 3, dims, strides, box);
 }
 
 // Whether this build has sm_90a kernels and the current device is an sm_90

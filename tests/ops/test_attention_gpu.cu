@@ -14,7 +14,7 @@
 //   dq, dk, dv <= 2e-2: the backward is checked on the GPU's own o and lse
 //     (so it is isolated from the forward); P and dS are rounded to bf16
 //     before the four products that use them and the results to bf16, and
-//     dS = P (dP - D) cancels: about 5e-3 expected.
+//     dS = P (dP - D) cancels: about 5e-3 expected (both backward kernels).
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
@@ -194,10 +194,12 @@ TEST_CASE("attention on CUDA matches the CPU reference", "[ops][attention][gpu]"
   }
 }
 
-// Both forward kernels at head_dim 64 and 128, each forced (the test above
-// runs the automatic choice: the Hopper kernel on an H200). The backward is
-// the same in both runs; it is checked on each forward's o and lse.
-TEST_CASE("attention on CUDA: the mma.sync and the Hopper (sm90) forward each match the CPU reference",
+// Both kernel families at head_dim 64 and 128, each forced (the test above
+// runs the automatic choice: on an H200 the Hopper forward and the mma.sync
+// backward, unless SLIME_ATTENTION_SM90_BWD=1): mma_sync runs the mma.sync
+// forward and backward, sm90 the Hopper forward and backward; each backward is
+// checked on its forward's o and lse.
+TEST_CASE("attention on CUDA: the mma.sync and the Hopper (sm90) kernels each match the CPU reference",
           "[ops][attention][gpu]") {
   if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
   const Device dev = Device::cuda(0);
@@ -218,9 +220,14 @@ TEST_CASE("attention on CUDA: the mma.sync and the Hopper (sm90) forward each ma
   AttentionOptions opt;
   opt.kernel = AttentionKernel::sm90;
   const Tensor q = random_bf16({5, 2, 32}, 1, dev), o = Tensor::empty({5, 2, 32}, DType::bf16, dev);
-  const Tensor lse = Tensor::empty({5, 2}, DType::f32, dev), cu = Tensor::from_vector(std::vector<int32_t>{0, 5}, {2}, dev);
+  const Tensor lse = Tensor::empty({5, 2}, DType::f32, dev),
+               cu = Tensor::from_vector(std::vector<int32_t>{0, 5}, {2}, dev);
   CHECK_THROWS_WITH(attention_forward(q, q, q, cu, cu, 5, 5, o, lse, opt),
                     ContainsSubstring("Hopper forward kernel (AttentionKernel::sm90) cannot run"));
+  const Tensor ws = Tensor::empty({attention_backward_workspace_elems(q)}, DType::f32, dev);
+  const Tensor dq = Tensor::empty({5, 2, 32}, DType::bf16, dev);
+  CHECK_THROWS_WITH(attention_backward(q, q, q, o, lse, q, cu, cu, 5, 5, dq, dq, dq, opt, ws),
+                    ContainsSubstring("Hopper backward kernel (AttentionKernel::sm90) cannot run"));
 }
 
 // 32 (the shapes of 64), 72 (tiles of 80, columns past 72 zero-filled), 80

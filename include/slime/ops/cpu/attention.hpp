@@ -65,11 +65,15 @@ struct FullMask {
 //                 convention: the last row sees the last key; a KV cache)
 enum class CausalAlign : uint8_t { top_left, bottom_right };
 
-// Which CUDA forward kernel runs (the CPU ignores it). automatic: the Hopper
-// kernel (wgmma fed by TMA, warp-specialised; src/ops/attention_fwd_sm90.cu)
-// at head_dim 64 and 128 on an sm_90 GPU of an sm_90a build, unless the
-// environment sets SLIME_ATTENTION_SM90=0; the mma.sync kernels otherwise.
-// mma_sync / sm90 force one (sm90 where it cannot run is a slime::Error).
+// Which CUDA kernels run (the CPU ignores it). automatic: the Hopper forward
+// (wgmma fed by TMA, warp-specialised; src/ops/attention_fwd_sm90.cu) at
+// head_dim 64 and 128 on an sm_90 GPU of an sm_90a build, unless the
+// environment sets SLIME_ATTENTION_SM90=0, and the mma.sync backward (the
+// Hopper backward, src/ops/attention_bwd_sm90.cu, only with
+// SLIME_ATTENTION_SM90_BWD=1 until its speed is measured); the mma.sync
+// kernels otherwise. mma_sync / sm90 force one family, forward and backward
+// (sm90 where it cannot run is a slime::Error; the deterministic backward is
+// always the mma.sync one).
 enum class AttentionKernel : uint8_t { automatic, mma_sync, sm90 };
 
 struct AttentionOptions {
@@ -81,7 +85,7 @@ struct AttentionOptions {
   // run) instead of in whatever order the fp32 atomics land. The CPU path is
   // always deterministic and ignores it.
   bool deterministic = false;
-  AttentionKernel kernel = AttentionKernel::automatic;  // the CUDA forward's
+  AttentionKernel kernel = AttentionKernel::automatic;  // the CUDA kernels
 
   // The CausalMask offset of a sequence with these lengths.
   SLIME_HOST_DEVICE int offset_for(int len_q, int len_k) const {

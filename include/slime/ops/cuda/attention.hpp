@@ -98,6 +98,13 @@ namespace detail {
 // (the caller runs the mma.sync kernels); throws for a forced sm90 kernel
 // that cannot run p.
 bool attention_forward_sm90(const AttentionForwardParams& p, StreamHandle stream);
+// The Hopper backward's main kernel (src/ops/attention_bwd_sm90.cu), called by
+// the head-dim launchers between D = rowsum(dO o) and the dq conversion: runs
+// p and returns true when p.options.kernel selects it (sm90; automatic only
+// with SLIME_ATTENTION_SM90_BWD=1 until its speed is measured), else false
+// (the mma.sync main kernel runs); the deterministic backward is always the
+// mma.sync one. Throws for a forced sm90 kernel that cannot run p.
+bool attention_backward_sm90(const AttentionBackwardParams& p, StreamHandle stream);
 // One explicit instantiation per head dim, each in its own translation unit
 // (src/ops/attention_fwd_hd<D>.cu, attention_bwd_hd<D>.cu).
 template <int kHeadDim>
