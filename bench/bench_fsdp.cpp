@@ -429,9 +429,12 @@ void time_steps(comm::NcclComm& comm, ShardedModel& sh, const RankData<Batch>& d
       Tensor::from_vector(std::vector<float>(std::size_t(T), float(-1.0 / double(T * comm.size()))), {T}, dev);
   Stream::default_for(dev).synchronize();  // the batch and grad_lp were written on the default stream
 
+  // One Context for every step: its buffers, sized by the first step, hold
+  // the activations of the next ones (a steady-state step allocates no
+  // activations; nn::detail::context_buffer).
+  typename ShardedModel::Context ctx;
   auto step = [&]() -> Tensor {
     sh.zero_grad(s);
-    typename ShardedModel::Context ctx;
     const Tensor hidden = sh.forward(data.batch, ctx, s);
     ops::TokenLogprobs lp = sh.token_logprobs(hidden, data.targets, 1.f, s);
     const Tensor d_hidden = sh.token_logprobs_backward(hidden, data.targets, 1.f, lp, grad_lp, Tensor{}, s);

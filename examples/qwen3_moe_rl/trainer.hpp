@@ -632,6 +632,7 @@ class Trainer {
     }
     if (ref_ && o_.offload) ref_->offload();
     if (teacher_ && o_.offload) teacher_->offload();
+    if (o_.offload) ctx_ = {};  // the activation buffers leave the device with the training state
     m.lr = schedule_.lr(step + 1);
     m.grad_norm = policy_->optimizer_step(m.lr, o_.max_grad_norm).value_or(0.0);
   }
@@ -664,8 +665,9 @@ class Trainer {
       targets = cp_->local_rows(mb.targets);
     }
     const auto whole = [&](const Tensor& t) { return cp_ ? cp_->gather(t) : t; };
-    typename Policy::Context ctx;
+    typename Policy::Context& ctx = ctx_;  // reused: its buffers hold every micro-batch's activations
     const RoutingMode routing = routing_mode();
+    ctx.routing_replay.clear();
     if (routing == RoutingMode::replay)
       for (const Tensor& ids : mb.engine_routing)
         ctx.routing_replay.push_back(cp_ && ids.defined() ? cp_->local_rows(ids) : ids);
@@ -867,6 +869,9 @@ class Trainer {
   const RemoteRollout* remote_ = nullptr;           // disaggregated rollout
   std::unique_ptr<comm::Mesh> mesh_;                // dp_shard x cp x ep
   std::unique_ptr<parallel::ExpertParallel<>> ep_;  // the mesh's ep axis, MoE models (outlives the models)
+  // The policy's forward context, reused by every micro-batch and step (its
+  // buffers keep their capacity; released with the training state under --offload).
+  typename Policy::Context ctx_;
   DType dtype_ = DType::f32;
   nn::Qwen3Config config_;
   std::unique_ptr<data::Task> task_;

@@ -224,17 +224,29 @@ TEST_CASE("SparseMoeBlock: parameter gradients accumulate, dx is written, contex
   });
 }
 
-TEST_CASE("SparseMoeBlock: a steady-state forward allocates only its output", "[moe][block][memory]") {
+TEST_CASE("SparseMoeBlock: a steady-state forward and backward allocate nothing", "[moe][block][memory]") {
   const Config c = kConfigs[4];
   nn::SparseMoeBlock b = make_block(c, Weights::random(c.H, c.I, c.E, 80, 2.0));
   const Tensor x = tensor_of(random_doubles(c.T * c.H, 81), {c.T, c.H});
   const Tensor x_small = x.slice_rows(0, c.T - 2);
+  const Tensor dy = tensor_of(random_doubles(c.T * c.H, 82), {c.T, c.H});
+  const Tensor dy_small = dy.slice_rows(0, c.T - 2);
+  nn::zero_grad(b);
   nn::SparseMoeBlock::Context ctx;
-  (void)b.forward(x, ctx);  // warm-up: sizes the context's buffers
+  (void)b.forward(x, ctx);  // warm-up: sizes the context's buffers (the output's too)
+  (void)b.backward(ctx, dy);
+  // The same results as a fresh context's, bit for bit.
+  nn::SparseMoeBlock::Context fresh;
+  const std::vector<double> want_y = to_double(b.forward(x_small, fresh)),
+                            want_dx = to_double(b.backward(fresh, dy_small));
   const int64_t before = memory_stats(Device::cpu()).allocations;
   (void)b.forward(x, ctx);
-  (void)b.forward(x_small, ctx);                                 // fewer tokens fit the same buffers
-  CHECK(memory_stats(Device::cpu()).allocations - before == 2);  // the two outputs y
+  (void)b.backward(ctx, dy);
+  const Tensor y = b.forward(x_small, ctx);  // fewer tokens fit the same buffers
+  const Tensor dx = b.backward(ctx, dy_small);
+  CHECK(memory_stats(Device::cpu()).allocations - before == 0);
+  CHECK(to_double(y) == want_y);
+  CHECK(to_double(dx) == want_dx);
 }
 
 TEST_CASE("SparseMoeBlock: zero tokens, skewed routing, experts without tokens", "[moe][block]") {

@@ -574,3 +574,78 @@ TEST_CASE("the MoE golden fixture is a Hugging Face directory slime reads", "[nn
     CHECK(bitwise_equal(a.file_of(name).read(name, DType::f32), b.file_of(name).read(name, DType::f32)));
   }
 }
+
+// The modules write their outputs and saved values into buffers of their
+// Context (nn::detail::context_buffer): a Context reused for the next step
+// allocates nothing once its buffers are large enough (issue 19: a
+// steady-state step allocates nothing), and every result equals a fresh
+// Context's bit for bit, also for a smaller batch after a larger one (views
+// of larger buffers) and for the larger one again.
+TEST_CASE("Qwen3Model: a Context reused across steps allocates nothing and equals a fresh one", "[nn][moe][memory]") {
+  for (const bool moe : {false, true}) {
+    INFO((moe ? "Qwen3-MoE" : "dense Qwen3"));
+    nn::Qwen3Config cfg = moe_config();
+    if (!moe) {
+      cfg.model_type = "qwen3";
+      cfg.num_experts = 0;
+      cfg.mlp_only_layers.clear();
+    }
+    nn::Qwen3Model model(cfg, {});
+    model.init_random(11, 0.2f);
+    const nn::PackedBatch large = nn::make_packed_batch({{3, 9, 27, 1, 12, 5, 6}, {30, 2, 5, 6, 7, 8, 9, 10, 11}});
+    const nn::PackedBatch small = nn::make_packed_batch(kSequences);
+    // hidden and every parameter gradient of one forward + backward (the
+    // gradients zeroed first, d_hidden fixed per batch size).
+    struct Result {
+      Tensor hidden;
+      std::vector<Tensor> grads;
+    };
+    auto step = [&](const nn::PackedBatch& batch, nn::Qwen3Model::Context& ctx, const Tensor& d_hidden) {
+      nn::zero_grad(model);
+      Result r;
+      r.hidden = model.forward(batch, ctx);
+      model.backward(ctx, d_hidden);
+      r.hidden = r.hidden.clone();
+      model.for_each_parameter([&](nn::Parameter& p) { r.grads.push_back(p.grad.clone()); });
+      return r;
+    };
+    auto same = [](const Result& a, const Result& b) {
+      if (!bitwise_equal(a.hidden, b.hidden) || a.grads.size() != b.grads.size()) return false;
+      for (std::size_t i = 0; i < a.grads.size(); ++i)
+        if (!bitwise_equal(a.grads[i], b.grads[i])) return false;
+      return true;
+    };
+    const Tensor d_large = random_tensor({large.num_tokens(), cfg.hidden_size}, 3);
+    const Tensor d_small = random_tensor({small.num_tokens(), cfg.hidden_size}, 4);
+    nn::Qwen3Model::Context fresh_large, fresh_small;
+    const Result want_large = step(large, fresh_large, d_large);
+    const Result want_small = step(small, fresh_small, d_small);
+
+    nn::Qwen3Model::Context ctx;
+    CHECK(same(step(large, ctx, d_large), want_large));  // the first step sizes the buffers
+    // The steps counted; their results are cloned after the count.
+    const auto counted_step = [&](const nn::PackedBatch& batch, nn::Qwen3Model::Context& c, const Tensor& d_hidden,
+                                  int64_t& allocations) {
+      nn::zero_grad(model);
+      const int64_t before = memory_stats(Device::cpu()).allocations;
+      const Tensor h = model.forward(batch, c);
+      model.backward(c, d_hidden);
+      allocations = memory_stats(Device::cpu()).allocations - before;
+      Result r;
+      r.hidden = h.clone();
+      model.for_each_parameter([&](nn::Parameter& p) { r.grads.push_back(p.grad.clone()); });
+      return r;
+    };
+    int64_t allocations = -1;
+    CHECK(same(counted_step(large, ctx, d_large, allocations), want_large));
+    CHECK(allocations == 0);
+    CHECK(same(counted_step(small, ctx, d_small, allocations), want_small));
+    CHECK(allocations == 0);
+    CHECK(same(counted_step(large, ctx, d_large, allocations), want_large));
+    CHECK(allocations == 0);
+    // The count sees allocations: a fresh Context's step makes them.
+    nn::Qwen3Model::Context other;
+    CHECK(same(counted_step(large, other, d_large, allocations), want_large));
+    CHECK(allocations > 0);
+  }
+}

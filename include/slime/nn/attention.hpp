@@ -55,6 +55,9 @@ struct Attention {
     Tensor positions;   // [T] i32
     int max_seqlen = 0;
     SequenceAttention::Saved sequence_saved;  // what sequence_attention keeps for its backward
+    // Capacity reused by the next call with this Context (detail::context_buffer).
+    Tensor o_buffer, lse_buffer;
+    mutable Tensor dq_buffer, dk_buffer, dv_buffer, dx_buffer;
   };
 
   AttentionConfig config;
@@ -111,7 +114,7 @@ struct Attention {
     Tensor qn = q_norm.forward(q, ctx.q_norm, stream);
     Tensor kn = k_norm.forward(k, ctx.k_norm, stream);
     ops::rope_forward(qn, kn, batch.positions, config.rope, qn, kn, stream);  // in place
-    Tensor o = Tensor::empty({T, hq, d}, options.dtype, options.device, stream);
+    Tensor o = detail::context_buffer(ctx.o_buffer, {T, hq, d}, options.dtype, options.device, stream);
     if (sequence_attention != nullptr) {
       SLIME_CHECK(Kv::differentiable, q_proj.weight.name,
                   ": sequence-parallel attention runs over the batch's own keys (SelfKv), not a K/V cache");
@@ -123,7 +126,7 @@ struct Attention {
       return o_proj.forward(o.reshape({T, hq * d}), ctx.o_proj, stream);
     }
     ctx.sequence_saved.clear();
-    Tensor lse = Tensor::empty({T, hq}, DType::f32, options.device, stream);
+    Tensor lse = detail::context_buffer(ctx.lse_buffer, {T, hq}, DType::f32, options.device, stream);
     kv.attend(qn, kn, v, batch, o, lse, stream);
     if constexpr (Kv::differentiable) {
       ctx.q = qn;
@@ -147,9 +150,9 @@ struct Attention {
                 ": backward needs the context of a forward with a differentiable K/V source (SelfKv)");
     const int64_t T = ctx.o.size(0), hq = config.num_heads, hkv = config.num_kv_heads, d = config.head_dim;
     Tensor d_o = o_proj.backward(ctx.o_proj, dy, stream).reshape({T, hq, d});
-    Tensor dq = Tensor::empty({T, hq, d}, options.dtype, options.device, stream);
-    Tensor dk = Tensor::empty({T, hkv, d}, options.dtype, options.device, stream);
-    Tensor dv = Tensor::empty({T, hkv, d}, options.dtype, options.device, stream);
+    Tensor dq = detail::context_buffer(ctx.dq_buffer, {T, hq, d}, options.dtype, options.device, stream);
+    Tensor dk = detail::context_buffer(ctx.dk_buffer, {T, hkv, d}, options.dtype, options.device, stream);
+    Tensor dv = detail::context_buffer(ctx.dv_buffer, {T, hkv, d}, options.dtype, options.device, stream);
     if (!ctx.sequence_saved.empty()) {
       SLIME_CHECK(sequence_attention != nullptr, o_proj.weight.name,
                   ": the context is from a sequence-parallel forward, but the layer has no sequence_attention now");
@@ -165,7 +168,7 @@ struct Attention {
     ops::rope_backward(dq, dk, ctx.positions, config.rope, dq, dk, stream);  // in place
     dq = q_norm.backward(ctx.q_norm, dq, stream, /*dy_is_scratch=*/true);
     dk = k_norm.backward(ctx.k_norm, dk, stream, /*dy_is_scratch=*/true);
-    Tensor dx = Tensor::empty({T, config.hidden_size}, options.dtype, options.device, stream);
+    Tensor dx = detail::context_buffer(ctx.dx_buffer, {T, config.hidden_size}, options.dtype, options.device, stream);
     q_proj.backward_into(ctx.q_proj, dq.reshape({T, hq * d}), dx, false, stream);
     k_proj.backward_into(ctx.k_proj, dk.reshape({T, hkv * d}), dx, true, stream);
     v_proj.backward_into(ctx.v_proj, dv.reshape({T, hkv * d}), dx, true, stream);

@@ -14,7 +14,8 @@ namespace slime::nn {
 struct Embedding {
   // What the backward reads.
   struct Context {
-    Tensor ids;  // [tokens] i32 or i64
+    Tensor ids;       // [tokens] i32 or i64
+    Tensor y_buffer;  // capacity reused by the next forward with this Context (detail::context_buffer)
   };
 
   ModuleOptions options;
@@ -43,7 +44,7 @@ struct Embedding {
   Tensor forward(const Tensor& ids, Context& ctx, const Stream& stream = {}) {
     SLIME_CHECK(ids.defined() && ids.dim() == 1, weight.name, ": ids must be 1-d [tokens], got ", ids.str());
     SLIME_CHECK(ids.device() == options.device, weight.name, ": ids must be on ", options.device, ", got ", ids.str());
-    Tensor y = Tensor::empty({ids.numel(), dim()}, options.dtype, options.device, stream);
+    Tensor y = detail::context_buffer(ctx.y_buffer, {ids.numel(), dim()}, options.dtype, options.device, stream);
     ops::embedding_forward(ids, weight.value, y, stream);
     ctx.ids = ids;
     return y;

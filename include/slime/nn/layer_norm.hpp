@@ -16,6 +16,9 @@ struct LayerNorm {
   struct Context {
     Tensor x;           // [..., dim]
     Tensor mean, rstd;  // f32, one per row
+    // Capacity reused by the next call with this Context (detail::context_buffer).
+    Tensor y_buffer, mean_buffer, rstd_buffer;
+    mutable Tensor dx_buffer;
   };
 
   ModuleOptions options;
@@ -49,10 +52,10 @@ struct LayerNorm {
   // y = (x - mean) * rstd * weight + bias over the last dim of x [..., dim].
   Tensor forward(const Tensor& x, Context& ctx, const Stream& stream = {}) {
     detail::check_activation(x, options, dim(), weight.name + ": x");
-    Tensor y = Tensor::empty(x.shape(), options.dtype, options.device, stream);
+    Tensor y = detail::context_buffer(ctx.y_buffer, x.shape(), options.dtype, options.device, stream);
     const int64_t rows = x.numel() / dim();
-    ctx.mean = Tensor::empty({rows}, DType::f32, options.device, stream);
-    ctx.rstd = Tensor::empty({rows}, DType::f32, options.device, stream);
+    ctx.mean = detail::context_buffer(ctx.mean_buffer, {rows}, DType::f32, options.device, stream);
+    ctx.rstd = detail::context_buffer(ctx.rstd_buffer, {rows}, DType::f32, options.device, stream);
     ops::layer_norm_forward(x, weight.value, bias.value, eps, y, ctx.mean, ctx.rstd, stream);
     ctx.x = x;
     return y;
@@ -62,7 +65,9 @@ struct LayerNorm {
   // when `dy_is_scratch` (dx then reuses its memory).
   Tensor backward(const Context& ctx, const Tensor& dy, const Stream& stream = {}, bool dy_is_scratch = false) {
     detail::check_activation(dy, options, dim(), weight.name + ": dy");
-    Tensor dx = dy_is_scratch ? dy : Tensor::empty(ctx.x.shape(), options.dtype, options.device, stream);
+    Tensor dx = dy_is_scratch
+                    ? dy
+                    : detail::context_buffer(ctx.dx_buffer, ctx.x.shape(), options.dtype, options.device, stream);
     const int64_t rows = ctx.x.numel() / dim();
     const Tensor& ws = detail::scratch_bytes(
         workspace_, options.device.is_cuda() ? ops::layer_norm_backward_workspace_bytes(rows, dim()) : 0,

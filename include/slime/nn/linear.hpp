@@ -14,6 +14,9 @@ namespace slime::nn {
 struct Linear {
   struct Context {
     Tensor x;  // [..., in]
+    // Capacity reused by the next call with this Context (detail::context_buffer).
+    Tensor y_buffer;
+    mutable Tensor dx_buffer;
   };
 
   ModuleOptions options;
@@ -42,7 +45,7 @@ struct Linear {
     detail::check_activation(x, options, in_features(), weight.name + ": x");
     Shape s = x.shape();
     s[-1] = out_features();
-    Tensor y = Tensor::empty(s, options.dtype, options.device, stream);
+    Tensor y = detail::context_buffer(ctx.y_buffer, s, options.dtype, options.device, stream);
     ops::linear_forward(x, weight.value, y, stream);
     ctx.x = x;
     return y;
@@ -56,9 +59,9 @@ struct Linear {
     ops::linear_backward(dy, ctx.x, weight.value, dx, weight.ensure_grad(stream), accumulate, stream);
   }
 
-  // As backward_into, returning a new dx.
+  // As backward_into, returning dx (in the Context's buffer).
   Tensor backward(const Context& ctx, const Tensor& dy, const Stream& stream = {}) {
-    Tensor dx = Tensor::empty(ctx.x.shape(), options.dtype, options.device, stream);
+    Tensor dx = detail::context_buffer(ctx.dx_buffer, ctx.x.shape(), options.dtype, options.device, stream);
     backward_into(ctx, dy, dx, false, stream);
     return dx;
   }

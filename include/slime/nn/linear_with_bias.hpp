@@ -42,6 +42,9 @@ inline void linear_bias_backward(const Tensor& dy, const Tensor& x, const Tensor
 struct LinearWithBias {
   struct Context {
     Tensor x;  // [..., in]
+    // Capacity reused by the next call with this Context (detail::context_buffer).
+    Tensor y_buffer;
+    mutable Tensor dx_buffer;
   };
 
   ModuleOptions options;
@@ -76,7 +79,7 @@ struct LinearWithBias {
     detail::check_activation(x, options, in_features(), weight.name + ": x");
     Shape s = x.shape();
     s[-1] = out_features();
-    Tensor y = Tensor::empty(s, options.dtype, options.device, stream);
+    Tensor y = detail::context_buffer(ctx.y_buffer, s, options.dtype, options.device, stream);
     detail::linear_bias_forward(x, weight.value, bias.value, y, stream);
     ctx.x = x;
     return y;
@@ -92,9 +95,9 @@ struct LinearWithBias {
                                  accumulate, workspace_, stream);
   }
 
-  // As backward_into, returning a new dx.
+  // As backward_into, returning dx (in the Context's buffer).
   Tensor backward(const Context& ctx, const Tensor& dy, const Stream& stream = {}) {
-    Tensor dx = Tensor::empty(ctx.x.shape(), options.dtype, options.device, stream);
+    Tensor dx = detail::context_buffer(ctx.dx_buffer, ctx.x.shape(), options.dtype, options.device, stream);
     backward_into(ctx, dy, dx, false, stream);
     return dx;
   }

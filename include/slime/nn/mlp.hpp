@@ -15,6 +15,9 @@ struct MLP {
   struct Context {
     Linear::Context gate_proj, up_proj, down_proj;
     Tensor gate, up;  // [T, intermediate]
+    // Capacity reused by the next call with this Context (detail::context_buffer).
+    Tensor h_buffer;
+    mutable Tensor dgate_buffer, dx_buffer;
   };
 
   ModuleOptions options;
@@ -42,7 +45,7 @@ struct MLP {
   Tensor forward(const Tensor& x, Context& ctx, const Stream& stream = {}) {
     Tensor gate = gate_proj.forward(x, ctx.gate_proj, stream);
     Tensor up = up_proj.forward(x, ctx.up_proj, stream);
-    Tensor h = Tensor::empty(gate.shape(), options.dtype, options.device, stream);
+    Tensor h = detail::context_buffer(ctx.h_buffer, gate.shape(), options.dtype, options.device, stream);
     ops::swiglu_forward(gate, up, h, stream);
     ctx.gate = gate;
     ctx.up = up;
@@ -52,9 +55,9 @@ struct MLP {
   // dx (written); the three weights' gradients accumulate.
   Tensor backward(const Context& ctx, const Tensor& dy, const Stream& stream = {}) {
     Tensor dh = down_proj.backward(ctx.down_proj, dy, stream);
-    Tensor dgate = Tensor::empty(ctx.gate.shape(), options.dtype, options.device, stream);
+    Tensor dgate = detail::context_buffer(ctx.dgate_buffer, ctx.gate.shape(), options.dtype, options.device, stream);
     ops::swiglu_backward(ctx.gate, ctx.up, dh, dgate, dh, stream);  // dup overwrites dh (in place)
-    Tensor dx = Tensor::empty(ctx.gate_proj.x.shape(), options.dtype, options.device, stream);
+    Tensor dx = detail::context_buffer(ctx.dx_buffer, ctx.gate_proj.x.shape(), options.dtype, options.device, stream);
     gate_proj.backward_into(ctx.gate_proj, dgate, dx, false, stream);
     up_proj.backward_into(ctx.up_proj, dh, dx, true, stream);
     return dx;

@@ -128,6 +128,16 @@ inline Tensor vec_view(Tensor& cache, int64_t n, DType dtype, Device device, con
   return rows_view(cache, n, 1, dtype, device, stream).reshape(Shape{n});
 }
 
+// A tensor of `shape` over `cache` (grown as rows_view grows it). The modules
+// write their outputs and saved values into buffers of their Context this
+// way, so that a Context reused for the next step (or micro-batch) allocates
+// nothing once its buffers are large enough, and a fresh Context behaves as
+// before. What a forward or backward returns stays valid until the next call
+// with the same Context writes the same buffer.
+inline Tensor context_buffer(Tensor& cache, const Shape& shape, DType dtype, Device device, const Stream& stream) {
+  return vec_view(cache, shape.numel(), dtype, device, stream).reshape(shape);
+}
+
 }  // namespace detail
 
 // Zeroes (allocating when needed) every parameter gradient of `module`.

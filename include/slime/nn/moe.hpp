@@ -99,9 +99,14 @@ struct SparseMoeBlock {
     std::vector<int32_t> host_offsets;
     // Capacity of the tensors above (see detail::rows_view).
     struct Buffers {
-      Tensor logits, probs, indices, weights, gate, up, h, y_rows;
+      Tensor logits, probs, indices, weights, gate, up, h, y_rows, y;
       Tensor host_offsets;  // pinned [E_local + 1] (CUDA): the copy of `offsets`
     } buffers;
+    // The backward's (detail::context_buffer).
+    struct BackwardBuffers {
+      Tensor dx, dlogits, dlogits_dt, dh, dgate, dx_rows;
+    };
+    mutable BackwardBuffers backward_buffers;
   };
 
   ModuleOptions options;
@@ -223,7 +228,7 @@ struct SparseMoeBlock {
     ops::swiglu_forward(ctx.gate, ctx.up, ctx.h, stream);
     ops::grouped_gemm_forward(ctx.h, down_proj.value, ctx.offsets, ctx.y_rows, stream, host);
 
-    Tensor y = Tensor::empty({T, H}, dt, dev, stream);
+    Tensor y = detail::context_buffer(b.y, {T, H}, dt, dev, stream);
     if (dispatcher_) {
       dispatcher_.combine(ctx.y_rows, ctx.weights, ctx.dispatch, stream, y);
     } else {
@@ -232,7 +237,7 @@ struct SparseMoeBlock {
     return y;
   }
 
-  // dx [T, H] (a new tensor, written); the four weights' gradients accumulate
+  // dx [T, H] (written, in the Context's buffer); the four weights' gradients accumulate
   // (fp32). aux_dlogits: optional f32 [T, E], the gradient of an auxiliary
   // loss w.r.t. this block's router logits, added to the router's own
   // gradient (in fp32, before the one rounding to the module dtype).
@@ -258,7 +263,8 @@ struct SparseMoeBlock {
 
     // The experts.
     const Tensor dx_rows = experts_backward(ctx, g.d_expert_out, stream);
-    Tensor dx = Tensor::empty({T, H}, dt, dev, stream);
+    Context::BackwardBuffers& bb = ctx.backward_buffers;
+    Tensor dx = detail::context_buffer(bb.dx, {T, H}, dt, dev, stream);
     if (dispatcher_) {
       dispatcher_.dispatch_backward(dx_rows, ctx.dispatch, stream, dx);
     } else {
@@ -266,13 +272,13 @@ struct SparseMoeBlock {
     }
 
     // The router: dlogits in fp32 (+ the auxiliary loss's), then the gate.
-    Tensor dlogits = Tensor::empty({T, E}, DType::f32, dev, stream);
+    Tensor dlogits = detail::context_buffer(bb.dlogits, {T, E}, DType::f32, dev, stream);
     ops::router_backward(ctx.probs, ctx.indices, dweights, config.norm_topk_prob, dlogits, /*accumulate=*/false,
                          stream);
     if (aux_dlogits.defined()) ops::add_(dlogits, aux_dlogits, stream);
     Tensor dlogits_dt = dlogits;
     if (dt != DType::f32) {
-      dlogits_dt = Tensor::empty({T, E}, dt, dev, stream);
+      dlogits_dt = detail::context_buffer(bb.dlogits_dt, {T, E}, dt, dev, stream);
       ops::cast(dlogits, dlogits_dt, stream);
     }
     ops::linear_backward_input(dlogits_dt, gate.value, dx, /*accumulate=*/true, stream);
@@ -304,12 +310,13 @@ struct SparseMoeBlock {
     const Device dev = options.device;
     const DType dt = options.dtype;
     const std::span<const int32_t> host = ctx.host_offsets;
-    Tensor dh = Tensor::empty(ctx.h.shape(), dt, dev, stream);
+    Context::BackwardBuffers& bb = ctx.backward_buffers;
+    Tensor dh = detail::context_buffer(bb.dh, ctx.h.shape(), dt, dev, stream);
     ops::grouped_gemm_backward_input(dy_rows, down_proj.value, ctx.offsets, dh, /*accumulate=*/false, stream, host);
     ops::grouped_gemm_backward_weight(dy_rows, ctx.h, ctx.offsets, down_proj.ensure_grad(stream), stream, host);
-    Tensor dgate = Tensor::empty(ctx.gate.shape(), dt, dev, stream);
+    Tensor dgate = detail::context_buffer(bb.dgate, ctx.gate.shape(), dt, dev, stream);
     ops::swiglu_backward(ctx.gate, ctx.up, dh, dgate, dh, stream);  // dup overwrites dh (in place)
-    Tensor dx_rows = Tensor::empty(ctx.x_rows.shape(), dt, dev, stream);
+    Tensor dx_rows = detail::context_buffer(bb.dx_rows, ctx.x_rows.shape(), dt, dev, stream);
     ops::grouped_gemm_backward_input(dgate, gate_proj.value, ctx.offsets, dx_rows, /*accumulate=*/false, stream, host);
     ops::grouped_gemm_backward_input(dh, up_proj.value, ctx.offsets, dx_rows, /*accumulate=*/true, stream, host);
     ops::grouped_gemm_backward_weight(dgate, ctx.x_rows, ctx.offsets, gate_proj.ensure_grad(stream), stream, host);

@@ -15,6 +15,9 @@ struct RMSNorm {
   struct Context {
     Tensor x;     // [..., dim]
     Tensor rstd;  // f32, one per row
+    // Capacity reused by the next call with this Context (detail::context_buffer).
+    Tensor y_buffer, rstd_buffer;
+    mutable Tensor dx_buffer;
   };
 
   ModuleOptions options;
@@ -43,8 +46,8 @@ struct RMSNorm {
   // y = x * rsqrt(mean(x^2) + eps) * weight over the last dim of x [..., dim].
   Tensor forward(const Tensor& x, Context& ctx, const Stream& stream = {}) {
     detail::check_activation(x, options, dim(), weight.name + ": x");
-    Tensor y = Tensor::empty(x.shape(), options.dtype, options.device, stream);
-    ctx.rstd = Tensor::empty({x.numel() / dim()}, DType::f32, options.device, stream);
+    Tensor y = detail::context_buffer(ctx.y_buffer, x.shape(), options.dtype, options.device, stream);
+    ctx.rstd = detail::context_buffer(ctx.rstd_buffer, {x.numel() / dim()}, DType::f32, options.device, stream);
     ops::rms_norm_forward(x, weight.value, eps, y, ctx.rstd, stream);
     ctx.x = x;
     return y;
@@ -54,7 +57,9 @@ struct RMSNorm {
   // overwritten when `dy_is_scratch` (dx then reuses its memory).
   Tensor backward(const Context& ctx, const Tensor& dy, const Stream& stream = {}, bool dy_is_scratch = false) {
     detail::check_activation(dy, options, dim(), weight.name + ": dy");
-    Tensor dx = dy_is_scratch ? dy : Tensor::empty(ctx.x.shape(), options.dtype, options.device, stream);
+    Tensor dx = dy_is_scratch
+                    ? dy
+                    : detail::context_buffer(ctx.dx_buffer, ctx.x.shape(), options.dtype, options.device, stream);
     const int64_t rows = ctx.x.numel() / dim();
     const Tensor& ws = detail::scratch_bytes(
         workspace_, options.device.is_cuda() ? ops::rms_norm_backward_workspace_bytes(rows, dim()) : 0, options.device,

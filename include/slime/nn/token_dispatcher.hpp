@@ -77,6 +77,7 @@ class LocalDispatcher {
     Tensor y_rows_, weights_;  // combine's inputs, for combine_backward
     // Capacity of the layout's tensors and of dispatch's rows (see detail::rows_view).
     Tensor counts_, offsets_, row_to_copy_, copy_to_row_, rows_;
+    mutable Tensor d_expert_out_, dweights_;  // combine_backward's (detail::context_buffer)
     std::vector<int64_t> no_counts_;
   };
 
@@ -122,8 +123,9 @@ class LocalDispatcher {
   CombineGrads combine_backward(const Tensor& dy, const Handle& h, const Stream& stream = {}) {
     SLIME_CHECK(h.y_rows_.defined(), "LocalDispatcher::combine_backward: the handle has no combine");
     CombineGrads g;
-    g.d_expert_out = Tensor::empty(h.y_rows_.shape(), h.y_rows_.dtype(), dy.device(), stream);
-    g.dweights = Tensor::empty({h.layout_.tokens, h.layout_.topk}, h.weights_.dtype(), dy.device(), stream);
+    g.d_expert_out = detail::context_buffer(h.d_expert_out_, h.y_rows_.shape(), h.y_rows_.dtype(), dy.device(), stream);
+    g.dweights = detail::context_buffer(h.dweights_, {h.layout_.tokens, h.layout_.topk}, h.weights_.dtype(),
+                                        dy.device(), stream);
     ops::moe_unpermute_backward(dy, h.y_rows_, h.weights_, h.layout_, g.d_expert_out, g.dweights, stream);
     return g;
   }
