@@ -430,14 +430,15 @@ void time_steps(comm::NcclComm& comm, ShardedModel& sh, const RankData<Batch>& d
   Stream::default_for(dev).synchronize();  // the batch and grad_lp were written on the default stream
 
   // One Context for every step: its buffers, sized by the first step, hold
-  // the activations of the next ones (a steady-state step allocates no
-  // activations; nn::detail::context_buffer).
+  // the activations and the LM head's outputs of the next ones, and Sharded
+  // reuses its communication buffers (a steady-state step allocates nothing;
+  // nn::detail::context_buffer, parallel::BufferCache).
   typename ShardedModel::Context ctx;
   auto step = [&]() -> Tensor {
     sh.zero_grad(s);
     const Tensor hidden = sh.forward(data.batch, ctx, s);
-    ops::TokenLogprobs lp = sh.token_logprobs(hidden, data.targets, 1.f, s);
-    const Tensor d_hidden = sh.token_logprobs_backward(hidden, data.targets, 1.f, lp, grad_lp, Tensor{}, s);
+    ops::TokenLogprobs lp = sh.token_logprobs(ctx, hidden, data.targets, 1.f, s);
+    const Tensor d_hidden = sh.token_logprobs_backward(ctx, hidden, data.targets, 1.f, lp, grad_lp, Tensor{}, s);
     sh.backward(ctx, d_hidden, s);
     sh.optimizer_step(kLr, 0, s);
     return lp.logprobs;

@@ -674,7 +674,7 @@ class Trainer {
     ctx.record_routing = routing == RoutingMode::measure;
     const Tensor hidden = policy_->forward(local, ctx);
     if (routing == RoutingMode::measure) count_routing_agreement(mb, ctx.routing, m);
-    const ops::TokenLogprobs fwd = policy_->token_logprobs(hidden, targets, o_.temperature);
+    const ops::TokenLogprobs fwd = policy_->token_logprobs(ctx, hidden, targets, o_.temperature);
     rl::PolicyLossTensors in;
     in.lp = whole(fwd.logprobs);
     in.old_lp = in.lp;  // one update per rollout: old = current (detached)
@@ -695,8 +695,8 @@ class Trainer {
     const rl::PolicyLossResult res = rl::policy_loss(loss_config(o_), norm, in);
     m.loss += res.metrics;
     const auto mine = [&](const Tensor& g) { return cp_ && g.defined() ? cp_->local_rows(g) : g; };
-    policy_->backward(ctx, policy_->token_logprobs_backward(hidden, targets, o_.temperature, fwd, mine(res.grad_lp),
-                                                            mine(res.grad_entropy)));
+    policy_->backward(ctx, policy_->token_logprobs_backward(ctx, hidden, targets, o_.temperature, fwd,
+                                                            mine(res.grad_lp), mine(res.grad_entropy)));
   }
 
   // On-policy distillation (rl::apply_opd, as slime's --opd-kl-coef): the

@@ -361,6 +361,7 @@ TEST_CASE("Sharded: per-rank parameter + gradient + optimizer bytes fall as 1/N"
       for (int r = 0; r < comm.size(); ++r) {
         comm.barrier();
         if (r == comm.rank()) {
+          sh->release_buffers();  // what a step reuses (at most what it had alive at once) is not state
           const int64_t before = memory_stats(Device::cpu()).current_bytes;
           sh.reset();
           freed[std::size_t(r)] = before - memory_stats(Device::cpu()).current_bytes;
@@ -431,6 +432,7 @@ TEST_CASE("Sharded CPU offload: masters and staging shards pinned, load_paramete
         for (int q = 0; q < comm.size(); ++q) {
           comm.barrier();
           if (q == comm.rank()) {
+            sh->release_buffers();  // the reused step buffers (Sharded::cached_buffer_bytes) are not state
             const int64_t h0 = memory_stats(Device::cpu()).current_bytes;
             const int64_t p0 = pinned_memory_stats().current_bytes;
             sh.reset();
@@ -578,5 +580,76 @@ TEST_CASE("Sharded: bad input gives clear errors", "[fsdp]") {
     CHECK_THAT(hybrid_needed[std::size_t(r)], ContainsSubstring("use HybridShard"));
     CHECK_THAT(noshard_2d[std::size_t(r)], ContainsSubstring("replicates over one axis"));
     CHECK_THAT(with_cp[std::size_t(r)], ContainsSubstring("cp = 2 but the module has no sequence attention"));
+  }
+}
+
+// Issue 19: the gathered parameters, full gradients and staging of the
+// collectives (BufferCache), the LM head's outputs and workspace
+// (token_logprobs with the Context) and the grad-norm scratch are reused, so
+// once the first step sized them a step allocates nothing; and the results
+// equal a run through the allocating calls with a fresh Context per
+// micro-batch, bit for bit.
+TEMPLATE_TEST_CASE("Sharded: a steady-state training step allocates nothing", "[fsdp][memory]", FullShard, ShardGradOp,
+                   NoShard) {
+  using Model = Sharded<nn::Qwen3Model, TestType>;
+  for (const bool moe : {false, true}) {
+    INFO((moe ? "Qwen3-MoE" : "dense Qwen3"));
+    constexpr int kRanks = 2, kSteps = 4, kMicroBatches = 2;
+    // reused: one Context and the buffered calls; allocations of each step
+    // (both ranks together: the counters are per process).
+    auto run = [&](bool reused, std::vector<int64_t>* allocations) {
+      Params out;
+      comm::run_local_ranks(kRanks, [&](comm::Comm& comm) {
+        Model sh(make_model(tiny_config(false, moe)), comm);
+        typename Model::Context kept;
+        std::vector<MicroBatch> mbs;  // two sizes, the same every step; built before the counting
+        std::vector<Tensor> grad_lps;
+        for (int m = 0; m < kMicroBatches; ++m) {
+          mbs.push_back(micro_batch(0, comm.rank(), m, 37));
+          const int64_t T = mbs.back().batch.num_tokens();
+          grad_lps.push_back(Tensor::from_vector(std::vector<float>(std::size_t(T), -0.01f), {T}));
+        }
+        for (int step = 0; step < kSteps; ++step) {
+          comm.barrier();
+          const int64_t before = memory_stats(Device::cpu()).allocations;
+          comm.barrier();
+          sh.zero_grad();
+          sh.set_micro_batches(kMicroBatches);
+          for (int m = 0; m < kMicroBatches; ++m) {
+            const MicroBatch& mb = mbs[std::size_t(m)];
+            const Tensor& grad_lp = grad_lps[std::size_t(m)];
+            typename Model::Context fresh;
+            typename Model::Context& ctx = reused ? kept : fresh;
+            const Tensor hidden = sh.forward(mb.batch, ctx);
+            if (reused) {
+              const ops::TokenLogprobs lp = sh.token_logprobs(ctx, hidden, mb.targets);
+              sh.backward(ctx, sh.token_logprobs_backward(ctx, hidden, mb.targets, 1.f, lp, grad_lp, Tensor{}));
+            } else {
+              const ops::TokenLogprobs lp = sh.token_logprobs(hidden, mb.targets);
+              sh.backward(ctx, sh.token_logprobs_backward(hidden, mb.targets, 1.f, lp, grad_lp, Tensor{}));
+            }
+          }
+          sh.optimizer_step(kLr, 1.0);  // clipped: the grad norm's all-reduce runs too
+          comm.barrier();
+          const int64_t after = memory_stats(Device::cpu()).allocations;
+          comm.barrier();
+          if (allocations && comm.rank() == 0) allocations->push_back(after - before);
+        }
+        for (const std::string& name : sh.parameter_names()) {
+          const Tensor full = sh.gather_parameter(name);
+          if (comm.rank() == 0) out[name] = full.to_vector<float>();
+        }
+      });
+      return out;
+    };
+    std::vector<int64_t> allocations;
+    const Params got = run(true, &allocations);
+    REQUIRE(allocations.size() == std::size_t(kSteps));
+    CHECK(allocations[0] > 0);  // the first step sizes the buffers (the count sees allocations)
+    for (int step = 1; step < kSteps; ++step) {
+      INFO("step " << step);
+      CHECK(allocations[std::size_t(step)] == 0);
+    }
+    CHECK(bitwise_equal(got, run(false, nullptr)));
   }
 }

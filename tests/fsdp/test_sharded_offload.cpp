@@ -228,6 +228,9 @@ TEST_CASE("Sharded offload frees the state's bytes, reuses its pinned buffers, o
     int64_t transfer = 0, host_pinned = 0;    // offload_transfer_bytes, offload_host_bytes
     int64_t mid_transfer = 0, mid_freed = 0;  // offload between two micro-batches (at_end)
     int64_t cpu_freed = 0, cpu_pinned = -1, cpu_transfer = 0, cpu_host_pinned = -1;  // with cpu_offload
+    // Sharded::cached_buffer_bytes before each measured offload (the reused
+    // step buffers, which offload frees too; none after a cycle).
+    int64_t cached = -1, refreed_cached = -1, mid_cached = -1, cpu_cached = -1;
   };
   for (int ranks : {1, 3}) {
     INFO(ranks << " ranks");
@@ -249,6 +252,7 @@ TEST_CASE("Sharded offload frees the state's bytes, reuses its pinned buffers, o
       sh.optimizer_step(kLr);
       in_turn([&] {
         const int64_t h0 = memory_stats(Device::cpu()).current_bytes, p0 = pinned_memory_stats().current_bytes;
+        b.cached = sh.cached_buffer_bytes();
         sh.offload();
         b.freed = h0 - memory_stats(Device::cpu()).current_bytes;
         b.pinned_first = pinned_memory_stats().current_bytes - p0;
@@ -260,6 +264,7 @@ TEST_CASE("Sharded offload frees the state's bytes, reuses its pinned buffers, o
         const int64_t allocs = pinned_memory_stats().allocations;
         for (int c = 0; c < 4; ++c) {
           const int64_t h = memory_stats(Device::cpu()).current_bytes;
+          b.refreed_cached = sh.cached_buffer_bytes();
           sh.offload();
           b.refreed = h - memory_stats(Device::cpu()).current_bytes;
           sh.onload();
@@ -274,6 +279,7 @@ TEST_CASE("Sharded offload frees the state's bytes, reuses its pinned buffers, o
         if (comm.size() > 1) b.gathered += sh.unit_layout(u).gathered_numel();
       in_turn([&] {
         const int64_t h0 = memory_stats(Device::cpu()).current_bytes;
+        b.mid_cached = sh.cached_buffer_bytes();
         sh.offload();
         b.mid_freed = h0 - memory_stats(Device::cpu()).current_bytes;
         b.mid_transfer = int64_t(sh.offload_transfer_bytes());
@@ -291,6 +297,7 @@ TEST_CASE("Sharded offload frees the state's bytes, reuses its pinned buffers, o
       off.optimizer_step(kLr);
       in_turn([&] {
         const int64_t h0 = memory_stats(Device::cpu()).current_bytes, p0 = pinned_memory_stats().allocations;
+        b.cpu_cached = off.cached_buffer_bytes();
         off.offload();
         b.cpu_freed = h0 - memory_stats(Device::cpu()).current_bytes;
         b.cpu_pinned = pinned_memory_stats().allocations - p0;
@@ -303,7 +310,10 @@ TEST_CASE("Sharded offload frees the state's bytes, reuses its pinned buffers, o
       const Bytes& b = bytes[std::size_t(r)];
       const int64_t S = b.shard;
       INFO("rank " << r << ": S = " << S << ", gathered " << b.gathered);
-      CHECK(b.freed == 16 * S);
+      // One rank: no gather and no reduce, so nothing to cache.
+      CHECK((ranks == 1 ? b.cached == 0 : b.cached > 0));
+      CHECK(b.refreed_cached == 0);
+      CHECK(b.freed == 16 * S + b.cached);
       CHECK(b.pinned_first == 16 * S);
       CHECK(b.transfer == 16 * S);
       CHECK(b.host_pinned == 16 * S);
@@ -313,8 +323,8 @@ TEST_CASE("Sharded offload frees the state's bytes, reuses its pinned buffers, o
       // FullShard after a backward: nothing gathered; with 3 ranks every unit
       // holds its f32 full gradient (4 bytes per gathered element).
       CHECK(b.mid_transfer == 16 * S + 4 * b.gathered);
-      CHECK(b.mid_freed == 16 * S + 4 * b.gathered);
-      CHECK(b.cpu_freed == 8 * S);
+      CHECK(b.mid_freed == 16 * S + 4 * b.gathered + b.mid_cached);
+      CHECK(b.cpu_freed == 8 * S + b.cpu_cached);
       CHECK(b.cpu_transfer == 8 * S);
       CHECK(b.cpu_pinned == 0);
       CHECK(b.cpu_host_pinned == 0);

@@ -131,7 +131,9 @@ std::vector<std::vector<float>> train(comm::Comm& comm, CycleLog* log) {
     if (!log) return;
     const auto before = snapshot(sh);
     const int64_t d0 = memory_stats(dev).current_bytes, p0 = pinned_memory_stats().current_bytes;
-    const int64_t ws = int64_t(nn::workspace_bytes(sh.module()));  // released, not copied
+    // released, not copied: the op workspaces and the reused step buffers
+    // (Sharded::cached_buffer_bytes; none on one rank, which neither gathers nor reduces)
+    const int64_t ws = int64_t(nn::workspace_bytes(sh.module())) + sh.cached_buffer_bytes();
     sh.offload();
     const int64_t d1 = memory_stats(dev).current_bytes;
     log->workspaces.push_back(ws);
@@ -292,7 +294,8 @@ TEST_CASE("Sharded and a rollout engine take turns on one GPU for 100 cycles wit
     train_peak = std::max(train_peak, memory_stats(dev).peak_bytes - start);
     rollout::sync_colocated(rollout::ShardedWeights<Policy>{&sh}, engine, cycle + 1, {.verify = cycle % 25 == 0});
     const int64_t d0 = memory_stats(dev).current_bytes;
-    const int64_t ws = int64_t(nn::workspace_bytes(sh.module()));  // made again by this cycle's backward
+    // made again by this cycle's backward; the reused step buffers (none on one rank)
+    const int64_t ws = int64_t(nn::workspace_bytes(sh.module())) + sh.cached_buffer_bytes();
     sh.offload();
     bad_drops += d0 - memory_stats(dev).current_bytes != 18 * S + ws;
     // Rollout turn (the policy offloaded).

@@ -79,8 +79,8 @@ class Tensor {
   template <class T>
   static Tensor from_vector(const std::vector<T>& values, const Shape& shape, Device device = Device::cpu(),
                             const Stream& stream = {}) {
-    SLIME_CHECK(int64_t(values.size()) == shape.numel(), "from_vector: ", values.size(),
-                " values do not fill shape ", shape, " (", shape.numel(), " elements)");
+    SLIME_CHECK(int64_t(values.size()) == shape.numel(), "from_vector: ", values.size(), " values do not fill shape ",
+                shape, " (", shape.numel(), " elements)");
     Tensor host;
     host.storage_ = std::make_shared<Storage>(MemoryKind::host, values.size() * sizeof(T), Stream{});
     host.shape_ = shape;
@@ -104,12 +104,13 @@ class Tensor {
   const Stream& stream() const { return require().stream(); }
 
   void* data_ptr() const { return static_cast<char*>(require().data()) + offset_bytes_; }
+  // True when this tensor spans its whole storage (not a view into a part).
+  bool spans_storage() const { return offset_bytes_ == 0 && nbytes() == require().bytes(); }
 
   // Typed pointer; throws if T is not the stored type.
   template <class T>
   T* data() const {
-    SLIME_CHECK(dtype_of<T> == dtype_, "data<", dtype_name(dtype_of<T>), ">() on a ", dtype_name(dtype_),
-                " tensor");
+    SLIME_CHECK(dtype_of<T> == dtype_, "data<", dtype_name(dtype_of<T>), ">() on a ", dtype_name(dtype_), " tensor");
     return static_cast<T*>(data_ptr());
   }
 
@@ -261,6 +262,21 @@ class Tensor {
   Shape shape_;
   DType dtype_ = DType::f32;
 };
+
+// A tensor of `shape` over the front of `cache`, which is reallocated only
+// when too small (then to max(need, 1.5 x its size)) or of another dtype or
+// device: a buffer that keeps its capacity across steps, so a steady-state
+// call allocates nothing. The view is valid until the next call that grows
+// `cache`.
+inline Tensor reuse_buffer(Tensor& cache, const Shape& shape, DType dtype, Device device, const Stream& stream) {
+  const int64_t need = shape.numel();
+  const bool same_kind = cache.defined() && cache.dtype() == dtype && cache.device() == device;
+  if (!same_kind || cache.numel() < need) {
+    const int64_t grown = same_kind ? cache.numel() + cache.numel() / 2 : 0;
+    cache = Tensor::empty(Shape{need > grown ? need : grown}, dtype, device, stream);
+  }
+  return cache.view(0, shape);
+}
 
 // Precondition helpers for ops: the error names the argument.
 inline void check_dtype(const Tensor& t, DType expected, std::string_view name) {

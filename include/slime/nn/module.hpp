@@ -114,13 +114,7 @@ inline const Tensor& scratch_bytes(Tensor& cache, std::size_t bytes, Device devi
 // that keep their capacity across steps, so a steady-state call allocates
 // nothing.
 inline Tensor rows_view(Tensor& cache, int64_t rows, int64_t cols, DType dtype, Device device, const Stream& stream) {
-  const int64_t need = rows * cols;
-  const bool same_kind = cache.defined() && cache.dtype() == dtype && cache.device() == device;
-  if (!same_kind || cache.numel() < need) {
-    const int64_t grown = same_kind ? cache.numel() + cache.numel() / 2 : 0;
-    cache = Tensor::empty(Shape{std::max(need, grown)}, dtype, device, stream);
-  }
-  return cache.view(0, Shape{rows, cols});
+  return reuse_buffer(cache, Shape{rows, cols}, dtype, device, stream);
 }
 
 // A 1-D view of n elements of `cache` (as rows_view).

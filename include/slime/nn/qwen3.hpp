@@ -110,6 +110,8 @@ class Qwen3Model {
     // whose layers share one context.
     bool record_routing = false;
     std::vector<Tensor> routing;
+    // token_logprobs(ctx, ...) and its backward: outputs, workspace, d_hidden.
+    ops::TokenLogprobsBuffers logprobs;
   };
 
   Qwen3Model() = default;
@@ -465,6 +467,15 @@ class Qwen3Model {
     return ops::token_logprobs(hidden, lm_head().value, targets, temperature, stream);
   }
 
+  // As above with the outputs (and the GPU workspace) in ctx's buffers: a
+  // Context reused across steps allocates nothing here once sized. The
+  // results are views, valid until the next call with the same Context.
+  ops::TokenLogprobs token_logprobs(Context& ctx, const Tensor& hidden, const Tensor& targets, float temperature = 1.f,
+                                    const Stream& stream = {}) {
+    check_hidden(hidden, "token_logprobs");
+    return ops::token_logprobs(hidden, lm_head().value, targets, temperature, ctx.logprobs, stream);
+  }
+
   // d_hidden [T, D] (written) from the gradients of token_logprobs' outputs
   // (grad_logprobs / grad_entropy f32 [T], either may be undefined); the LM
   // head gradient accumulates.
@@ -477,6 +488,15 @@ class Qwen3Model {
     ops::token_logprobs_backward(hidden, head.value, targets, temperature, fwd.lse, fwd.entropy, grad_logprobs,
                                  grad_entropy, d_hidden, head.ensure_grad(stream), Tensor{}, {}, stream);
     return d_hidden;
+  }
+  // As above with d_hidden (and the GPU workspace) in ctx's buffers.
+  Tensor token_logprobs_backward(Context& ctx, const Tensor& hidden, const Tensor& targets, float temperature,
+                                 const ops::TokenLogprobs& fwd, const Tensor& grad_logprobs, const Tensor& grad_entropy,
+                                 const Stream& stream = {}) {
+    check_hidden(hidden, "token_logprobs_backward");
+    Parameter& head = lm_head();
+    return ops::token_logprobs_backward(hidden, head.value, targets, temperature, fwd, grad_logprobs, grad_entropy,
+                                        head.ensure_grad(stream), ctx.logprobs, stream);
   }
 
   // L = -sum_t log p(targets[t] | tokens[..t]) / normalizer (default: the

@@ -162,10 +162,10 @@ struct Qwen3VLConfig {
 
 // What Qwen3VLModel::forward takes (make_vl_batch builds it).
 struct VLBatch {
-  PackedBatch text;                    // tokens, cu_seqlens; positions [T, 3] (MRoPE)
-  Tensor pixel_values;                 // [P, patch_dim] in the model's dtype; undefined without images
-  std::vector<GridThw> grids;          // per image, in the order of its placeholder run in `text`
-  Tensor image_rows;                   // i32 [N]: the rows of the image-pad tokens, increasing
+  PackedBatch text;            // tokens, cu_seqlens; positions [T, 3] (MRoPE)
+  Tensor pixel_values;         // [P, patch_dim] in the model's dtype; undefined without images
+  std::vector<GridThw> grids;  // per image, in the order of its placeholder run in `text`
+  Tensor image_rows;           // i32 [N]: the rows of the image-pad tokens, increasing
 
   int64_t num_tokens() const { return text.num_tokens(); }
   bool has_images() const { return !grids.empty(); }
@@ -382,6 +382,17 @@ class Qwen3VLModel {
                                  const ops::TokenLogprobs& fwd, const Tensor& grad_logprobs, const Tensor& grad_entropy,
                                  const Stream& stream = {}) {
     return language_.token_logprobs_backward(hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, stream);
+  }
+  // With the buffers of ctx (Qwen3Model::token_logprobs(ctx, ...)).
+  ops::TokenLogprobs token_logprobs(Context& ctx, const Tensor& hidden, const Tensor& targets, float temperature = 1.f,
+                                    const Stream& stream = {}) {
+    return language_.token_logprobs(ctx.language, hidden, targets, temperature, stream);
+  }
+  Tensor token_logprobs_backward(Context& ctx, const Tensor& hidden, const Tensor& targets, float temperature,
+                                 const ops::TokenLogprobs& fwd, const Tensor& grad_logprobs, const Tensor& grad_entropy,
+                                 const Stream& stream = {}) {
+    return language_.token_logprobs_backward(ctx.language, hidden, targets, temperature, fwd, grad_logprobs,
+                                             grad_entropy, stream);
   }
 
   // As Qwen3Model::loss_and_backward, over a VL batch.

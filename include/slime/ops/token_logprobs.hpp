@@ -331,4 +331,56 @@ inline TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& weight, 
   return out;
 }
 
+// Buffers a caller keeps across calls (a model's Context does) so that
+// token_logprobs and its backward allocate nothing once sized: the outputs,
+// the GPU workspace and grad_hidden. What a call returns is a view of them,
+// valid until the next call with the same buffers.
+struct TokenLogprobsBuffers {
+  Tensor logprobs, entropy, lse;
+  Tensor workspace;  // GPU only: token_logprobs_workspace_bytes
+  Tensor grad_hidden;
+};
+
+namespace token_logprobs_detail {
+// The workspace view for the GPU (undefined on the CPU, which needs none).
+inline Tensor buffer_workspace(TokenLogprobsBuffers& b, const Tensor& hidden, int64_t vocab, const Stream& stream) {
+  if (!hidden.device().is_cuda()) return {};
+  const std::size_t bytes = token_logprobs_workspace_bytes(hidden.size(0), hidden.size(1), vocab, hidden.dtype());
+  return reuse_buffer(b.workspace, Shape{int64_t(bytes)}, DType::u8, hidden.device(), stream);
+}
+}  // namespace token_logprobs_detail
+
+// token_logprobs with its outputs and workspace in `buffers`.
+inline TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                    float temperature, TokenLogprobsBuffers& buffers, const Stream& stream = {}) {
+  SLIME_CHECK(hidden.defined() && hidden.dim() == 2, "token_logprobs: hidden must be [tokens, dim], got ",
+              hidden.str());
+  SLIME_CHECK(weight.defined() && weight.dim() == 2, "token_logprobs: weight must be [vocab, dim], got ", weight.str());
+  const Device dev = hidden.device();
+  const Shape shape{hidden.size(0)};
+  TokenLogprobs out{reuse_buffer(buffers.logprobs, shape, DType::f32, dev, stream),
+                    reuse_buffer(buffers.entropy, shape, DType::f32, dev, stream),
+                    reuse_buffer(buffers.lse, shape, DType::f32, dev, stream)};
+  const Tensor ws = token_logprobs_detail::buffer_workspace(buffers, hidden, weight.size(0), stream);
+  token_logprobs_forward(hidden, weight, targets, temperature, out.logprobs, out.entropy, out.lse, ws, {}, stream);
+  return out;
+}
+
+// grad_hidden (in `buffers`) from the gradients of token_logprobs' outputs;
+// grad_weight (optional) accumulates. See token_logprobs_backward above.
+inline Tensor token_logprobs_backward(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                      float temperature, const TokenLogprobs& fwd, const Tensor& grad_logprobs,
+                                      const Tensor& grad_entropy, const Tensor& grad_weight,
+                                      TokenLogprobsBuffers& buffers, const Stream& stream = {}) {
+  SLIME_CHECK(hidden.defined() && hidden.dim() == 2, "token_logprobs_backward: hidden must be [tokens, dim], got ",
+              hidden.str());
+  SLIME_CHECK(weight.defined() && weight.dim() == 2, "token_logprobs_backward: weight must be [vocab, dim], got ",
+              weight.str());
+  const Tensor grad_hidden = reuse_buffer(buffers.grad_hidden, hidden.shape(), hidden.dtype(), hidden.device(), stream);
+  const Tensor ws = token_logprobs_detail::buffer_workspace(buffers, hidden, weight.size(0), stream);
+  token_logprobs_backward(hidden, weight, targets, temperature, fwd.lse, fwd.entropy, grad_logprobs, grad_entropy,
+                          grad_hidden, grad_weight, ws, {}, stream);
+  return grad_hidden;
+}
+
 }  // namespace slime::ops

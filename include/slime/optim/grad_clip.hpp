@@ -50,8 +50,20 @@ double sum_of_squares(const T* x, int64_t n) {
 //
 // A NaN or infinite gradient gives a NaN or infinite norm, returned as is:
 // check std::isfinite before using it (clip_coefficient refuses it).
+//
+// `buffers` (optional, kept by the caller across steps, e.g. Sharded): the
+// GPU workspace and the value all-reduced over comm, so that a steady-state
+// call allocates nothing.
+struct GradNormBuffers {
+  Tensor workspace;  // GPU: the partial sums
+  Tensor sum;        // the local sum of squares, all-reduced (on comm's device)
+  Tensor host_sum;   // its host staging when comm's device is a GPU
+};
+
 inline double global_grad_norm(std::span<const Tensor> grads, comm::Comm* comm = nullptr,
-                               [[maybe_unused]] const Stream& stream = {}) {
+                               [[maybe_unused]] const Stream& stream = {}, GradNormBuffers* buffers = nullptr) {
+  GradNormBuffers scratch;
+  GradNormBuffers& b = buffers ? *buffers : scratch;
   double local = 0;
   if (!grads.empty()) {
     SLIME_CHECK(grads[0].defined(), "global_grad_norm: grads[0] is undefined");
@@ -74,7 +86,7 @@ inline double global_grad_norm(std::span<const Tensor> grads, comm::Comm* comm =
         numels.push_back(g.numel());
       }
       const std::size_t bytes = cuda::sum_of_squares_workspace_bytes(numels);
-      Tensor ws = Tensor::empty({int64_t((bytes + 7) / 8)}, DType::i64, device, s);
+      const Tensor ws = reuse_buffer(b.workspace, {int64_t((bytes + 7) / 8)}, DType::i64, device, s);
       cuda::sum_of_squares_multi_tensor(data, numels, ws.data_ptr(), s.handle());
       double result = 0;
       SLIME_CUDA_CHECK(cudaMemcpyAsync(&result, ws.data_ptr(), sizeof(double), cudaMemcpyDeviceToHost, s.handle()));
@@ -90,7 +102,14 @@ inline double global_grad_norm(std::span<const Tensor> grads, comm::Comm* comm =
   if (comm == nullptr) return std::sqrt(local);
   const Device on = comm->device();
   const Stream cs = on.is_cuda() && stream.device() != on ? Stream::default_for(on) : stream;
-  Tensor t = Tensor::from_vector(std::vector<float>{float(local)}, {1}, on, cs);
+  Tensor t = reuse_buffer(b.sum, {1}, DType::f32, on, cs);
+  if (on.is_cpu()) {
+    t.data<float>()[0] = float(local);
+  } else {
+    const Tensor h = reuse_buffer(b.host_sum, {1}, DType::f32, Device::cpu(), Stream{});
+    h.data<float>()[0] = float(local);
+    t.copy_from(h, cs);
+  }
   comm->all_reduce(t, comm::ReduceOp::sum, cs);
   return std::sqrt(double(t.to_vector<float>(cs)[0]));
 }

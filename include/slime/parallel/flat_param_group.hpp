@@ -9,8 +9,9 @@
 //
 // Streams: gathers and reductions run on the communication stream `c`;
 // `s` is the compute stream that uses (or used) the buffers. Every buffer
-// is allocated and freed on `c`, after the work queued on `s` that reads it
-// (params_free), so memory is reused in stream order.
+// comes from and goes back to Sharded's BufferCache (buffer_cache.hpp) on
+// `c`, after the work queued on `s` that reads it (params_free), so memory
+// is reused in stream order and a steady-state step allocates nothing.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include "slime/nn/module.hpp"
 #include "slime/nn/units.hpp"
 #include "slime/ops/elementwise.hpp"
+#include "slime/parallel/buffer_cache.hpp"
 #include "slime/parallel/flat_shard.hpp"
 
 namespace slime::parallel {
@@ -99,63 +101,72 @@ struct FlatParamGroup {
 
   // Queues the all-gather on `c` after `params_updated` (no-op when gathered
   // or aliased).
-  void issue_gather(const Stream& c, Event& params_updated) {
+  void issue_gather(const Stream& c, Event& params_updated, BufferCache& cache) {
     if (gathered.defined()) return;
     params_updated.wait(c);
     const int64_t n = layout.gathered_numel();
-    Tensor rank_major = Tensor::empty({n}, compute_dtype, device, c);
+    Tensor rank_major = cache.acquire(n, compute_dtype, device, c);
     shard->all_gather(compute, rank_major, c);
-    gathered = Tensor::empty({n}, compute_dtype, device, c);
+    gathered = cache.acquire(n, compute_dtype, device, c);
     unpack_rank_major(rank_major, gathered, layout, c);
+    cache.release(std::move(rank_major));  // the next use is on `c` too
     gathered_ready.record(c);
     install_values();
   }
 
   // Drops the gathered buffer once the work queued on `s` is done.
-  void release_gathered(const Stream& s, const Stream& c) {
+  void release_gathered(const Stream& s, const Stream& c, BufferCache& cache) {
     if (aliased || !gathered.defined()) return;
     for (nn::Parameter* p : params) p->value = Tensor{};
     params_free.record(s);
     params_free.wait(c);
-    gathered = Tensor{};
+    cache.release(std::move(gathered));
   }
 
   // The full fp32 gradient buffer exists (zero when new), `s` ordered after
   // its zero-fill.
-  void ensure_full_grad(const Stream& s, const Stream& c) {
+  void ensure_full_grad(const Stream& s, const Stream& c, BufferCache& cache) {
     if (!full_grad.defined()) {
-      full_grad = Tensor::zeros({layout.gathered_numel()}, DType::f32, device, c);
+      full_grad = cache.acquire(layout.gathered_numel(), DType::f32, device, c);
+      full_grad.zero_(c);
       grad_ready.record(c);
       install_grads();
     }
     grad_ready.wait(s);
   }
 
-  void release_full_grad(const Stream& s, const Stream& c) {
+  void release_full_grad(const Stream& s, const Stream& c, BufferCache& cache) {
     for (nn::Parameter* p : params) p->grad = Tensor{};
     params_free.record(s);
     params_free.wait(c);
-    full_grad = Tensor{};
+    cache.release(std::move(full_grad));
   }
 
   // Reduces the full gradient into the grad shard on `c`, after the work
   // queued on `s` (in dtype `rd`, combined with `op`), then frees it;
   // records `grads_reduced` on `c`.
-  void reduce(const Stream& s, const Stream& c, DType rd, comm::ReduceOp op, Event& grads_reduced) {
+  // Every temporary comes from `cache` and goes back to it once its last
+  // use is queued on `c`.
+  void reduce(const Stream& s, const Stream& c, DType rd, comm::ReduceOp op, Event& grads_reduced, BufferCache& cache) {
     if (direct_grads || !full_grad.defined()) return;
     params_free.record(s);
     params_free.wait(c);
     const int64_t n = layout.shard_numel();
+    std::vector<Tensor> temps;  // back to the cache at the end
+    const auto temp = [&](int64_t numel, DType dtype) {
+      temps.push_back(cache.acquire(numel, dtype, device, c));
+      return temps.back();
+    };
     Tensor src = full_grad;
     if (rd != DType::f32) {
-      src = Tensor::empty(full_grad.shape(), rd, device, c);
+      src = temp(full_grad.numel(), rd);
       ops::cast(full_grad, src, c);
     }
     Tensor out;
     if (shard) {
-      Tensor rank_major = Tensor::empty({layout.gathered_numel()}, rd, device, c);
+      Tensor rank_major = temp(layout.gathered_numel(), rd);
       pack_rank_major(src, rank_major, layout, c);
-      out = Tensor::empty({n}, rd, device, c);
+      out = temp(n, rd);
       shard->reduce_scatter(rank_major, out, op, c);
     } else {
       out = src;  // one rank per shard group: the layout is the shard's
@@ -163,13 +174,15 @@ struct FlatParamGroup {
     if (replicate) replicate->all_reduce(out, op, c);
     if (grad_scale != 1.f) ops::scale(out, grad_scale, out, c);
     if (rd != DType::f32) {
-      Tensor f = Tensor::empty({n}, DType::f32, device, c);
+      Tensor f = temp(n, DType::f32);
       ops::cast(out, f, c);
       out = f;
     }
     ops::add_(grad_shard, out, c);
     for (nn::Parameter* p : params) p->grad = Tensor{};
-    full_grad = Tensor{};
+    src = out = Tensor{};
+    for (Tensor& t : temps) cache.release(std::move(t));
+    cache.release(std::move(full_grad));
     grads_reduced.record(c);
   }
 };

@@ -336,6 +336,8 @@ class Sharded {
     host_masters_current_ = true;
     // The modules' op workspaces go too (allocated again by the next backward).
     if constexpr (requires(Module & m) { m.for_each_workspace([](Tensor&) {}); }) nn::release_workspaces(module());
+    buffers_.clear();
+    norm_buffers_ = {};
     comm_stream_.synchronize();  // the frees done: the pool can hand the memory to any stream
     transfer_bytes_ = bytes;
     offloaded_ = true;
@@ -359,6 +361,23 @@ class Sharded {
   }
 
   bool offloaded() const { return offloaded_; }
+
+  // The buffers a step reuses instead of allocating (gathered parameters,
+  // full gradients and collective staging of the units, the grad-norm
+  // scratch; issue 19): held between steps, at most what one step had alive
+  // at once. offload() and release_buffers() free them; the next step makes
+  // them again.
+  int64_t cached_buffer_bytes() const {
+    int64_t n = buffers_.bytes();
+    for (const Tensor* t : {&norm_buffers_.workspace, &norm_buffers_.sum, &norm_buffers_.host_sum})
+      if (t->defined()) n += int64_t(t->nbytes());
+    return n;
+  }
+  void release_buffers() {
+    comm_stream_.synchronize();  // their last uses are done: the pool can hand the memory to any stream
+    buffers_.clear();
+    norm_buffers_ = {};
+  }
   // Bytes the last offload copied to the host (onload copies them back).
   std::size_t offload_transfer_bytes() const { return transfer_bytes_; }
   // Pinned bytes held for runtime offload (allocated by the first offload;
@@ -465,15 +484,33 @@ class Sharded {
     m.token_logprobs_backward(hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, stream);
   }
   {
-    check_trains("token_logprobs_backward");
-    check_onloaded("token_logprobs_backward");
-    check_lm_head("token_logprobs_backward");
-    SLIME_CHECK(units_[lm_head_unit_].trainable, "Sharded::token_logprobs_backward: the LM head's unit '",
-                units_[lm_head_unit_].name, "' is not trainable, but the head's backward accumulates its gradient");
+    const Stream s = head_backward_stream(stream);
+    return module_->token_logprobs_backward(hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, s);
+  }
+
+  // As above with the outputs in ctx's buffers (Qwen3Model::token_logprobs(ctx,
+  // ...)): a Context reused across steps allocates nothing here once sized.
+  ops::TokenLogprobs token_logprobs(Context& ctx, const Tensor& hidden, const Tensor& targets, float temperature = 1.f,
+                                    const Stream& stream = {}) requires requires(Module& m) {
+    m.token_logprobs(ctx, hidden, targets, temperature, stream);
+  }
+  {
+    check_onloaded("token_logprobs");
+    check_lm_head("token_logprobs");
     const Stream s = compute_stream(stream);
     gather_for_use(lm_head_unit_, s);
-    ensure_full_grad(lm_head_unit_, s);
-    return module_->token_logprobs_backward(hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, s);
+    ops::TokenLogprobs out = module_->token_logprobs(ctx, hidden, targets, temperature, s);
+    release_frozen_head(s);
+    return out;
+  }
+  Tensor token_logprobs_backward(Context& ctx, const Tensor& hidden, const Tensor& targets, float temperature,
+                                 const ops::TokenLogprobs& fwd, const Tensor& grad_logprobs, const Tensor& grad_entropy,
+                                 const Stream& stream = {}) requires requires(Module& m) {
+    m.token_logprobs_backward(ctx, hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, stream);
+  }
+  {
+    const Stream s = head_backward_stream(stream);
+    return module_->token_logprobs_backward(ctx, hidden, targets, temperature, fwd, grad_logprobs, grad_entropy, s);
   }
 
   // As Qwen3Model::loss_and_backward (nn/causal_lm.hpp): L = -Σ_t w_t
@@ -519,7 +556,7 @@ class Sharded {
     wait_for_reductions(s);
     for (FlatParamGroup& u : units_) {
       if (!u.trainable) continue;
-      if (!u.direct_grads && u.full_grad.defined()) u.release_full_grad(s, comm_stream_);
+      if (!u.direct_grads && u.full_grad.defined()) u.release_full_grad(s, comm_stream_, buffers_);
       u.grad_shard.zero_(s);
     }
     grads_zeroed_.record(s);
@@ -955,14 +992,14 @@ class Sharded {
   // The 2-norm of the gradient over all shards (see grad_norm).
   double global_norm(const Stream& s) {
     if (!has_expert_units_ || expert_norm_comm_ == shard_comm_)
-      return optim::global_grad_norm(grad_shards(), shard_comm_, s);
+      return optim::global_grad_norm(grad_shards(), shard_comm_, s, &norm_buffers_);
     // NoShard with expert units: the dense gradients are replicated, the
     // expert ones differ across ep.
     std::vector<Tensor> dense, expert;
     for (const FlatParamGroup& u : units_)
       if (u.trainable) (u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
-    const double d = optim::global_grad_norm(dense, shard_comm_, s);
-    const double e = optim::global_grad_norm(expert, expert_norm_comm_, s);
+    const double d = optim::global_grad_norm(dense, shard_comm_, s, &norm_buffers_);
+    const double e = optim::global_grad_norm(expert, expert_norm_comm_, s, &norm_buffers_);
     return std::sqrt(d * d + e * e);
   }
 
@@ -980,6 +1017,20 @@ class Sharded {
   // the LM head's unit after the head's call (no backward needs it).
   void release_frozen_head(const Stream& s) {
     if constexpr (!trains && Strategy::reshard_after_forward) release_gathered(lm_head_unit_, s);
+  }
+
+  // Before the LM head's backward: the checks, the head's unit gathered and
+  // its full gradient ready; the compute stream.
+  Stream head_backward_stream(const Stream& stream) {
+    check_trains("token_logprobs_backward");
+    check_onloaded("token_logprobs_backward");
+    check_lm_head("token_logprobs_backward");
+    SLIME_CHECK(units_[lm_head_unit_].trainable, "Sharded::token_logprobs_backward: the LM head's unit '",
+                units_[lm_head_unit_].name, "' is not trainable, but the head's backward accumulates its gradient");
+    const Stream s = compute_stream(stream);
+    gather_for_use(lm_head_unit_, s);
+    ensure_full_grad(lm_head_unit_, s);
+    return s;
   }
 
   void check_onloaded(const char* where) const {
@@ -1006,7 +1057,7 @@ class Sharded {
   }
 
   // The steps on one unit (flat_param_group.hpp), on the communication stream.
-  void issue_gather(std::size_t i) { units_[i].issue_gather(comm_stream_, params_updated_); }
+  void issue_gather(std::size_t i) { units_[i].issue_gather(comm_stream_, params_updated_, buffers_); }
 
   // Unit i gathered, and `s` ordered after the gather.
   void gather_for_use(std::size_t i, const Stream& s) {
@@ -1014,10 +1065,10 @@ class Sharded {
     units_[i].gathered_ready.wait(s);
   }
 
-  void release_gathered(std::size_t i, const Stream& s) { units_[i].release_gathered(s, comm_stream_); }
-  void ensure_full_grad(std::size_t i, const Stream& s) { units_[i].ensure_full_grad(s, comm_stream_); }
+  void release_gathered(std::size_t i, const Stream& s) { units_[i].release_gathered(s, comm_stream_, buffers_); }
+  void ensure_full_grad(std::size_t i, const Stream& s) { units_[i].ensure_full_grad(s, comm_stream_, buffers_); }
   void reduce(std::size_t i, const Stream& s) {
-    units_[i].reduce(s, comm_stream_, options_.precision.reduce, options_.gradient_reduce, grads_reduced_);
+    units_[i].reduce(s, comm_stream_, options_.precision.reduce, options_.gradient_reduce, grads_reduced_, buffers_);
   }
 
   void wait_for_reductions(const Stream& s) {
@@ -1053,6 +1104,8 @@ class Sharded {
   std::size_t lm_head_unit_ = 0;
   std::unordered_map<std::string, std::pair<std::size_t, std::size_t>> index_;
   Stream comm_stream_, last_stream_;
+  BufferCache buffers_;  // gathered parameters, full gradients and staging, reused from step to step
+  optim::GradNormBuffers norm_buffers_;
   Event grads_reduced_, params_updated_, grads_zeroed_;
   Event params_uploaded_;  // cpu_offload: the last uploads from the staging shards
   Event turn_;             // offload / onload: ordering between the caller's and the communication stream
