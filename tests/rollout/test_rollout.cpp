@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "rollout_test_util.hpp"
+#include "slime/core/memory.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/ops/index_rows.hpp"
 #include "slime/rollout/engine.hpp"
@@ -351,4 +352,40 @@ TEST_CASE("gather_rows and scatter_rows move rows and reject bad indices", "[rol
                     ContainsSubstring("repeats"));
   CHECK_THROWS_WITH(ops::gather_rows(src, Tensor::from_vector(std::vector<int32_t>{0}, {1}), dst),
                     ContainsSubstring("rows"));
+}
+
+// Issue 19: a decode step reuses the engine's buffers (the model's Context,
+// the step's uploads, the last rows, logits and logprobs), so the steps after
+// the first allocate nothing: generating 8 more tokens for the same batch
+// costs no allocation more. Greedy and sampled rows, dense and MoE.
+TEST_CASE("a decode step allocates nothing once the engine's buffers are sized", "[rollout][memory]") {
+  for (const bool moe : {false, true}) {
+    INFO((moe ? "Qwen3-MoE" : "dense Qwen3"));
+    nn::Qwen3Model model = moe ? tiny_moe_model() : tiny_model();
+    rollout::Engine engine(model, {.max_batch = 4, .max_context = 40, .kv_capacity = 0, .seed = 11});
+    auto requests_of = [](int64_t new_tokens) {
+      std::vector<rollout::Request> rs;
+      for (int i = 0; i < 4; ++i) {
+        rollout::Request r;
+        r.prompt = prompt_of(3 + i, i);
+        r.sample_id = uint64_t(i);
+        r.sampling.temperature = i == 0 ? 0.f : 1.f;
+        r.sampling.max_new_tokens = new_tokens;
+        rs.push_back(r);
+      }
+      return rs;
+    };
+    const auto short_requests = requests_of(8), long_requests = requests_of(16);
+    engine.generate(long_requests);  // sizes the buffers
+    const auto allocations = [&](const std::vector<rollout::Request>& rs) {
+      const int64_t before = memory_stats(Device::cpu()).allocations;
+      const auto out = engine.generate(rs);
+      const int64_t n = memory_stats(Device::cpu()).allocations - before;
+      for (const auto& c : out) REQUIRE(c.tokens.size() == std::size_t(rs[0].sampling.max_new_tokens));
+      return n;
+    };
+    const int64_t a8 = allocations(short_requests), a16 = allocations(long_requests);
+    INFO("generate: " << a8 << " allocations for 8 tokens, " << a16 << " for 16");
+    CHECK(a16 - a8 == 0);
+  }
 }

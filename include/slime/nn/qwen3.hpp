@@ -112,6 +112,7 @@ class Qwen3Model {
     std::vector<Tensor> routing;
     // token_logprobs(ctx, ...) and its backward: outputs, workspace, d_hidden.
     ops::TokenLogprobsBuffers logprobs;
+    Tensor logits;  // logits(ctx, ...)
   };
 
   Qwen3Model() = default;
@@ -455,6 +456,14 @@ class Qwen3Model {
   Tensor logits(const Tensor& hidden, const Stream& stream = {}) {
     check_hidden(hidden, "logits");
     Tensor y = Tensor::empty({hidden.size(0), config_.vocab_size}, DType::f32, options_.device, stream);
+    ops::linear_forward(hidden, lm_head().value, y, stream);
+    return y;
+  }
+  // As above, into ctx.logits (a view, valid until the next call with ctx).
+  Tensor logits(Context& ctx, const Tensor& hidden, const Stream& stream = {}) {
+    check_hidden(hidden, "logits");
+    const Tensor y =
+        reuse_buffer(ctx.logits, {hidden.size(0), config_.vocab_size}, DType::f32, options_.device, stream);
     ops::linear_forward(hidden, lm_head().value, y, stream);
     return y;
   }

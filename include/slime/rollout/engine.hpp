@@ -183,9 +183,12 @@ class Engine {
     return out;
   }
 
-  // Frees the KV arena (colocated training takes the memory); the next
-  // generate allocates it again.
-  void release_kv_cache() { arena_.release(); }
+  // Frees the KV arena and the step buffers (colocated training takes the
+  // memory); the next generate allocates them again.
+  void release_kv_cache() {
+    arena_.release();
+    buffers_ = {};
+  }
 
   // Colocated memory: the KV arena is freed and the weights move to pinned
   // host memory (weight sync still writes into them there); onload brings
@@ -368,7 +371,7 @@ class Engine {
     for (const std::vector<int32_t>* part : std::initializer_list<const std::vector<int32_t>*>{
              &tokens, &positions, &lay.cu_q, &lay.cu_k, &lay.write_rows, &last_rows, &image_rows})
       idx.insert(idx.end(), part->begin(), part->end());
-    const Tensor uploaded = Tensor::from_vector(idx, {int64_t(idx.size())}, dev, stream);
+    const Tensor uploaded = upload(idx, buffers_.indices, buffers_.indices_host, dev, stream);
     int64_t at = 0;
     const auto next = [&](std::size_t n) {
       Tensor t = uploaded.view(at, Shape{int64_t(n)});
@@ -393,14 +396,14 @@ class Engine {
 
     // The model's own layers, their attention over the arena (the new keys
     // and values are written into it).
-    nn::Qwen3Model::Context ctx;
+    nn::Qwen3Model::Context& ctx = buffers_.ctx;  // reused: its buffers hold every step's activations
     nn::NoHooks no_hooks;
     const std::vector<int> sparse = model_->sparse_layers();
     ctx.record_routing = cfg_.record_routing && !sparse.empty();
     const Tensor hidden = model_->forward(batch, ctx, stream, no_hooks, arena_.source(lay, write_rows, cu_k), visual);
-    const Tensor last = Tensor::empty({B, c.hidden_size}, model_->dtype(), dev, stream);
+    const Tensor last = reuse_buffer(buffers_.last, {B, c.hidden_size}, model_->dtype(), dev, stream);
     ops::gather_rows(hidden, last_index, last, stream);
-    const Tensor logits = model_->logits(last, stream);
+    const Tensor logits = model_->logits(ctx, last, stream);
     const Tensor sampled_tokens = sample(requests, running, out, logits, stream);  // i32 [B]
     std::map<float, std::vector<int32_t>> by_temperature;                          // temperature -> rows of `last`
     for (int64_t b = 0; b < B; ++b) {
@@ -413,7 +416,7 @@ class Engine {
       // One temperature (the usual case): the logprobs of every row follow the
       // sampling on the device, and one wait brings both back.
       const Tensor targets = sampled_tokens.device() == dev ? sampled_tokens : sampled_tokens.to(dev, stream);
-      const ops::TokenLogprobs res = model_->token_logprobs(last, targets, by_temperature.begin()->first, stream);
+      const ops::TokenLogprobs res = model_->token_logprobs(ctx, last, targets, by_temperature.begin()->first, stream);
       sampled = sampled_tokens.to_vector<int32_t>(stream);
       lp = res.logprobs.to_vector<float>(stream);
     } else {
@@ -519,8 +522,8 @@ class Engine {
       }
       std::memcpy(words.data() + 2 * B, temps.data(), temps.size() * sizeof(float));
       const Device d = logits.device();
-      const Tensor up = Tensor::from_vector(words, {int64_t(words.size())}, d, stream);
-      const Tensor tok = Tensor::empty({B}, DType::i32, d, stream);
+      const Tensor up = upload(words, buffers_.sampling, buffers_.sampling_host, d, stream);
+      const Tensor tok = reuse_buffer(buffers_.sampled, {B}, DType::i32, d, stream);
       DeviceGuard guard(d);
       const int64_t* w = up.data<int64_t>();
       cuda::sample_rows(logits.data<float>(), B, V, reinterpret_cast<const uint64_t*>(w), w + B,
@@ -537,8 +540,34 @@ class Engine {
       sampled[std::size_t(b)] = sample_token(host.data() + b * V, V, req.sampling, cfg_.seed, req.sample_id,
                                              int64_t(out[r.request].tokens.size()), scratch_);
     }
-    return Tensor::from_vector(sampled, {B});
+    const Tensor tok = reuse_buffer(buffers_.sampled, {B}, DType::i32, Device::cpu(), Stream{});
+    std::memcpy(tok.data_ptr(), sampled.data(), sampled.size() * sizeof(int32_t));
+    return tok;
   }
+
+  // `values` as a 1-D tensor on `device`, through buffers kept across steps
+  // (`host`: the staging of a device upload; a pageable source, so the copy
+  // has read it when it returns and the next step may overwrite it).
+  template <class T>
+  static Tensor upload(const std::vector<T>& values, Tensor& cache, Tensor& host, Device device, const Stream& stream) {
+    const Shape shape{int64_t(values.size())};
+    const Tensor h = reuse_buffer(device.is_cpu() ? cache : host, shape, dtype_of<T>, Device::cpu(), Stream{});
+    if (!values.empty()) std::memcpy(h.data_ptr(), values.data(), values.size() * sizeof(T));
+    if (device.is_cpu()) return h;
+    Tensor d = reuse_buffer(cache, shape, dtype_of<T>, device, stream);
+    d.copy_from(h, stream);
+    return d;
+  }
+
+  // What a step writes, kept from one step to the next (issue 19: a decode
+  // step allocates nothing once they are sized); freed with the KV arena.
+  struct StepBuffers {
+    nn::Qwen3Model::Context ctx;     // activations; the LM head's logits and logprobs
+    Tensor indices, indices_host;    // the step's uploaded indices (see step)
+    Tensor last;                     // the hidden rows of each sequence's last token
+    Tensor sampling, sampling_host;  // the device sampler's keys, steps and temperatures
+    Tensor sampled;                  // the sampled tokens
+  };
 
   nn::Qwen3Model* model_;
   nn::Qwen3VLModel* vl_ = nullptr;  // a VL engine's model (model_ is its language model)
@@ -547,6 +576,7 @@ class Engine {
   RegionAllocator alloc_;
   int64_t weight_version_ = 0;
   std::vector<int32_t> scratch_;
+  StepBuffers buffers_;
   nn::ParameterOffload weights_offload_;
 };
 
