@@ -122,16 +122,17 @@
 //   python3 bench/torch_fsdp2.py --models vl2b_8layers --out torch_fsdp_vl.json
 //   python3 bench/torch_fsdp2.py --table --slime bench_fsdp_vl.json --out torch_fsdp_vl.json
 //
-// Method: build, `warmup` untimed steps (the first one's loss is checked:
-// finite and within 1 of ln(vocab), as for any near-uniform random init),
-// barrier, reset the peak of slime::memory_stats(device), `steps` steps with a
-// CUDA event on the compute stream before each and after the last, then one
-// synchronisation: dense0.5b, dense1.7b and vl2b_8layers 3 warm-up + 10
-// timed, moe and moe_ep2 2 + 5 (torch's side takes as long per step as
-// several of slime's: both programs stay within their 90 s in
-// tools/gpu-test.sh). A step's time is
-// the slowest rank's; the reported iteration time (us) is the median over the
-// timed steps (one Google Benchmark iteration holds the whole measurement).
+// Method (issue 19: honest step benchmarks), `reps` = 3 repetitions, each
+// building the model and the ranks anew: build, `warmup` untimed steps (the
+// first one's loss is checked: finite and within 1 of ln(vocab), as for any
+// near-uniform random init), barrier, reset the peak of
+// slime::memory_stats(device), `steps` = 20 steps with a CUDA event on the
+// compute stream before each and after the last, then one synchronisation
+// (warm-up: 3 steps, moe and moe_ep2 2). A step's time is the slowest rank's,
+// a repetition's time its median step; the reported iteration time (us) is
+// the median of the repetitions' times (one Google Benchmark iteration holds
+// the whole measurement), with rep_min_us, rep_max_us and spread_pct (their
+// difference over the median, %). torch_fsdp2.py times FSDP2 the same way.
 // Counters (per configuration):
 //   tokens_per_s     ranks * 16384 / median step time (all GPUs together;
 //                    VL: every position, image tokens included)
@@ -154,8 +155,10 @@
 //                    (bench::vision_tower_flop: 13.8 TFLOP of the step's
 //                    87.3)
 //   ep               the expert-parallel degree (1: none)
-//   mean_us, min_us, max_us, loss_first, loss_last, gpus, tokens_per_step,
-//   steps (timed)
+//   reps, rep_min_us, rep_max_us, spread_pct (see Method)
+//   mean_us, min_us, max_us (over every timed step), loss_first (the first
+//   repetition's), loss_last (the last one's), gpus, tokens_per_step, steps
+//   (timed, per repetition)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -202,8 +205,9 @@ struct BenchModel {
   std::string name;
   nn::Qwen3Config config;                              // the language model's (a VL model's text_config)
   std::optional<nn::Qwen3VLConfig> vl = std::nullopt;  // set for a Qwen3-VL model (vl->text == config)
-  int warmup = 3;                                      // untimed steps
-  int steps = 10;                                      // timed steps; the median is reported
+  int warmup = 3;                                      // untimed steps of each repetition
+  int steps = 20;                                      // timed steps of each repetition
+  int reps = 3;  // repetitions (each builds the model and the ranks anew); the median of their medians is reported
   int ep = 1;  // expert-parallel degree: mesh dp_shard (ranks / ep) x ep when > 1
   std::vector<int> gpus = {1, 2};
   std::string description;  // for the benchmark context
@@ -214,7 +218,7 @@ BenchModel dense_model() {
       .name = "dense0.5b",
       .config = bench::dense_0p5b_config(),
       .warmup = 3,
-      .steps = 10,
+      .steps = 20,
       .description = "Qwen3 hidden 1024, 24 layers, 16/8 heads, head_dim 128, intermediate 3072, vocab 151936, tied"};
 }
 
@@ -222,7 +226,7 @@ BenchModel dense_1p7b_model() {
   return {.name = "dense1.7b",
           .config = bench::dense_1p7b_config(),
           .warmup = 3,
-          .steps = 10,
+          .steps = 20,
           .description =
               "Qwen3-1.7B's shape: hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, vocab 151936, "
               "tied"};
@@ -232,7 +236,7 @@ BenchModel moe_model() {
   return {.name = "moe",
           .config = bench::moe_config(),
           .warmup = 2,
-          .steps = 5,
+          .steps = 20,
           .description =
               "Qwen3-MoE hidden 1024, 8 layers (all sparse), 16/4 heads, head_dim 64, 32 experts top-4, "
               "moe_intermediate 384, norm_topk_prob, vocab 32000, untied, no expert parallelism, no aux loss"};
@@ -260,7 +264,7 @@ BenchModel vl2b_8layers_model() {
           .config = vl.text,
           .vl = vl,
           .warmup = 3,
-          .steps = 10,
+          .steps = 20,
           .description =
               "Qwen3-VL-2B's tower (depth 24, hidden 1024, 16 heads of 64, intermediate 4096, patch 16, "
               "temporal 2, merge 2, deepstack 5/11/17) + its text model with 8 layers (hidden 2048, 16/8 "
@@ -504,6 +508,13 @@ void train_rank(comm::NcclComm& comm, const BenchModel& bm, RankResult& out) {
   time_steps(comm, sh, rank_data(comm.rank(), cfg.vocab_size, dev), bm, out);
 }
 
+// The median of `v` (not empty).
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+
 void run_fsdp(benchmark::State& state, const BenchModel& bm, int ranks) {
   if (bench::skip_without_cuda(state)) return;
   const int devices = cuda_device_count();
@@ -515,34 +526,43 @@ void run_fsdp(benchmark::State& state, const BenchModel& bm, int ranks) {
     const nn::Qwen3Config& cfg = bm.config;
     const int n = bm.steps;
     for (auto _ : state) {
-      std::vector<RankResult> results(static_cast<std::size_t>(ranks));
-      comm::run_nccl_ranks(ranks,
-                           [&](comm::NcclComm& comm) { train_rank(comm, bm, results[std::size_t(comm.rank())]); });
-      // Checks: a near-uniform start (random init, std 0.02) and no blow-up.
-      const double ln_v = std::log(double(cfg.vocab_size));
-      for (int r = 0; r < ranks; ++r) {
-        const RankResult& rr = results[std::size_t(r)];
-        if (!(std::abs(rr.loss_first - ln_v) < 1.0) || !std::isfinite(rr.loss_last) || rr.loss_last > ln_v + 1.0) {
-          state.SkipWithError(detail::concat("correctness check failed on rank ", r, ": first loss ", rr.loss_first,
-                                             ", last loss ", rr.loss_last, ", expected about ln(vocab) = ", ln_v)
-                                  .c_str());
-          return;
-        }
-      }
-      std::vector<double> step_ms(std::size_t(n), 0.0);  // the slowest rank's time of each step
+      std::vector<double> rep_ms;  // each repetition's median step
+      std::vector<double> all_ms;  // every timed step of every repetition
       int64_t peak = 0, reserved = 0;
-      for (const RankResult& rr : results) {
-        for (int i = 0; i < n; ++i)
-          step_ms[std::size_t(i)] = std::max(step_ms[std::size_t(i)], rr.step_ms[std::size_t(i)]);
-        peak = std::max(peak, rr.peak_bytes);
-        reserved = std::max(reserved, rr.reserved_bytes);
+      double loss_first = 0, loss_last = 0;
+      for (int rep = 0; rep < bm.reps; ++rep) {
+        std::vector<RankResult> results(static_cast<std::size_t>(ranks));
+        comm::run_nccl_ranks(ranks,
+                             [&](comm::NcclComm& comm) { train_rank(comm, bm, results[std::size_t(comm.rank())]); });
+        // Checks: a near-uniform start (random init, std 0.02) and no blow-up.
+        const double ln_v = std::log(double(cfg.vocab_size));
+        for (int r = 0; r < ranks; ++r) {
+          const RankResult& rr = results[std::size_t(r)];
+          if (!(std::abs(rr.loss_first - ln_v) < 1.0) || !std::isfinite(rr.loss_last) || rr.loss_last > ln_v + 1.0) {
+            state.SkipWithError(detail::concat("correctness check failed on rank ", r, " (repetition ", rep,
+                                               "): first loss ", rr.loss_first, ", last loss ", rr.loss_last,
+                                               ", expected about ln(vocab) = ", ln_v)
+                                    .c_str());
+            return;
+          }
+        }
+        std::vector<double> step_ms(std::size_t(n), 0.0);  // the slowest rank's time of each step
+        for (const RankResult& rr : results) {
+          for (int i = 0; i < n; ++i)
+            step_ms[std::size_t(i)] = std::max(step_ms[std::size_t(i)], rr.step_ms[std::size_t(i)]);
+          peak = std::max(peak, rr.peak_bytes);
+          reserved = std::max(reserved, rr.reserved_bytes);
+        }
+        rep_ms.push_back(median_of(step_ms));
+        all_ms.insert(all_ms.end(), step_ms.begin(), step_ms.end());
+        if (rep == 0) loss_first = results[0].loss_first;
+        loss_last = results[0].loss_last;
       }
-      std::vector<double> sorted = step_ms;
-      std::sort(sorted.begin(), sorted.end());
-      const std::size_t h = std::size_t(n / 2);
-      const double median_ms = n % 2 ? sorted[h] : 0.5 * (sorted[h - 1] + sorted[h]);
+      const double median_ms = median_of(rep_ms);
+      const auto [rep_min, rep_max] = std::minmax_element(rep_ms.begin(), rep_ms.end());
+      const auto [step_min, step_max] = std::minmax_element(all_ms.begin(), all_ms.end());
       double mean_ms = 0;
-      for (double t : step_ms) mean_ms += t / n;
+      for (double t : all_ms) mean_ms += t / double(all_ms.size());
       state.SetIterationTime(median_ms * 1e-3);
 
       const double tokens_per_step = double(ranks) * kSeqs * double(kSeqLen);
@@ -551,6 +571,10 @@ void run_fsdp(benchmark::State& state, const BenchModel& bm, int ranks) {
       state.counters["gpus"] = ranks;
       state.counters["ep"] = bm.ep;
       state.counters["steps"] = n;
+      state.counters["reps"] = bm.reps;
+      state.counters["rep_min_us"] = *rep_min * 1e3;
+      state.counters["rep_max_us"] = *rep_max * 1e3;
+      state.counters["spread_pct"] = 100.0 * (*rep_max - *rep_min) / median_ms;
       state.counters["peak_gib"] = double(peak) / kGiB;
       state.counters["reserved_gib"] = double(reserved) / kGiB;
       state.counters["tflops"] = bench::per_second(step_flop(bm), median_ms * 1e-3, 1e12);
@@ -563,10 +587,10 @@ void run_fsdp(benchmark::State& state, const BenchModel& bm, int ranks) {
         state.counters["images_per_step"] = double(ranks) * kSeqs;
       }
       state.counters["mean_us"] = mean_ms * 1e3;
-      state.counters["min_us"] = sorted.front() * 1e3;
-      state.counters["max_us"] = sorted.back() * 1e3;
-      state.counters["loss_first"] = results[0].loss_first;
-      state.counters["loss_last"] = results[0].loss_last;
+      state.counters["min_us"] = *step_min * 1e3;
+      state.counters["max_us"] = *step_max * 1e3;
+      state.counters["loss_first"] = loss_first;
+      state.counters["loss_last"] = loss_last;
     }
   });
 }
@@ -603,8 +627,8 @@ int main(int argc, char** argv) {
     std::string names, steps;
     for (const BenchModel& bm : models) {
       names += (names.empty() ? "" : ",") + bm.name;
-      steps += (steps.empty() ? "" : "; ") + bm.name + ": " + std::to_string(bm.warmup) + " warm-up + " +
-               std::to_string(bm.steps) + " timed";
+      steps += (steps.empty() ? "" : "; ") + bm.name + ": " + std::to_string(bm.reps) + " x (" +
+               std::to_string(bm.warmup) + " warm-up + " + std::to_string(bm.steps) + " timed)";
     }
     benchmark::AddCustomContext("models", names + " (SLIME_BENCH_FSDP_MODELS; default " + kDefaultModels + ")");
     benchmark::AddCustomContext("tokens_per_rank", std::to_string(kSeqs) + " x " + std::to_string(kSeqLen));

@@ -10,13 +10,13 @@ attention, no activation checkpointing, eager (no torch.compile):
 
   dense0.5b  transformers' Qwen3ForCausalLM: hidden 1024, 24 layers, 16 heads /
              8 KV heads, head_dim 128, intermediate 3072, vocab 151936, tied
-             embeddings, rope_theta 1e6: 533.1M parameters. 3 warm-up + 10
-             timed steps.
+             embeddings, rope_theta 1e6: 533.1M parameters. 3 warm-up + 20
+             timed steps, 3 repetitions.
   dense1.7b  (opt-in: --models) transformers' Qwen3ForCausalLM in Qwen3-1.7B's
              shape: hidden 2048, 28 layers, 16 heads / 8 KV heads, head_dim
              128, intermediate 6144, vocab 151936, tied embeddings, rope_theta
-             1e6, rms_norm_eps 1e-6: 1720.6M parameters. 3 warm-up + 10 timed
-             steps. The same 8 x 2048 tokens per GPU: estimated to fit one
+             1e6, rms_norm_eps 1e-6: 1720.6M parameters. 3 warm-up + 20 timed
+             steps, 3 repetitions. The same 8 x 2048 tokens per GPU: estimated to fit one
              139 GiB H200 (from dense0.5b's measured 60.6 GiB: fp32 parameters
              + gradients + AdamW moments 16 B x 1.72 G = 25.6 GiB, saved
              activations about 104 KB per token and layer = 44.6 GiB, fp32
@@ -37,9 +37,8 @@ attention, no activation checkpointing, eager (no torch.compile):
              experts_implementation), else its default ("eager", or a
              ModuleList looped in Python for transformers 4.x); the row
              records which ran ("experts_implementation", "grouped_mm" and,
-             after a failed attempt, "fallback"). 2 warm-up + 5 timed steps
-             (the MoE steps of eager PyTorch are slow: both models' runs fit
-             tools/gpu-test.sh's 90 s per process).
+             after a failed attempt, "fallback"). 2 warm-up + 20 timed steps,
+             3 repetitions.
 
   vl2b_8layers  (opt-in: --models) transformers'
              Qwen3VLForConditionalGeneration (Qwen3VLConfig) with Qwen3-VL-2B's
@@ -56,7 +55,7 @@ attention, no activation checkpointing, eager (no torch.compile):
              vision block, on the tower (patch embedding, position table,
              mergers), on every text decoder layer and on the root. SDPA in
              both (transformers' tower runs one SDPA call per image). 3
-             warm-up + 10 timed steps. See "VL data" below.
+             warm-up + 20 timed steps, 3 repetitions. See "VL data" below.
 
 bench_fsdp's "moe_ep2" (the moe model with expert parallelism, mesh dp_shard 1
 x ep 2) has no FSDP2 counterpart: the table shows slime's row alone, and
@@ -95,15 +94,21 @@ the merged patches per image, the placeholder count check). Extra row fields:
 patches_per_s (N * 6272 / median step time), patches_per_step,
 images_per_step. tokens_per_s counts every position (text and image tokens).
 
-Method, per model: --warmup untimed steps (the first one's loss is checked:
-finite and within 1 of ln(vocab)), reset the peak memory statistics, --steps
-steps with a CUDA event on the current stream before each and after the last,
-one synchronisation; a step's time is the slowest rank's, "us" the median over
-the steps. Rows "fsdp/<model>/gpus<N>" with us, tokens_per_s (N * 16384 /
-median step time), peak_gib (torch.cuda.max_memory_allocated during the timed
-steps, max over ranks), reserved_gib (max_memory_reserved), tflops (model FLOP
-per GPU per second, bench_fsdp's formula: active matmul parameters), mean_us,
-min_us, max_us, loss_first, loss_last, gpus, tokens_per_step, params, steps.
+Method, per model, as bench_fsdp (issue 19): --reps repetitions (default 3),
+each building the model anew: --warmup untimed steps (the first one's loss
+is checked: finite and within 1 of ln(vocab)), reset the peak memory
+statistics, --steps steps (default 20) with a CUDA event on the current
+stream before each and after the last, one synchronisation; a step's time is
+the slowest rank's, a repetition's time its median step, "us" the median of
+the repetitions' times. Rows "fsdp/<model>/gpus<N>" with us, tokens_per_s
+(N * 16384 / median step time), reps, rep_min_us / rep_max_us (the fastest
+and slowest repetition) and spread_pct (their difference over the median, in
+%), peak_gib (torch.cuda.max_memory_allocated during the timed steps, max
+over ranks and repetitions), reserved_gib (max_memory_reserved), tflops
+(model FLOP per GPU per second, bench_fsdp's formula: active matmul
+parameters), mean_us, min_us, max_us (over every timed step), loss_first
+(the first repetition's), loss_last (the last one's), gpus, tokens_per_step,
+params, steps.
 The models of --models run one after the other in one process (in the
 order dense0.5b, moe, dense1.7b, vl2b_8layers), each row written to --out as soon as it is
 measured; the memory of one is freed before the next.
@@ -169,7 +174,7 @@ MODELS = {
                     num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                     rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_cache=False,
                     attention_dropout=0.0, initializer_range=0.02),
-        head_dim=128, warmup=3, steps=10, tied=True,
+        head_dim=128, warmup=3, steps=20, tied=True,
         description="Qwen3 hidden 1024, 24 layers, 16/8 heads, head_dim 128, intermediate 3072, vocab 151936, tied"),
     "moe": dict(
         config_class="Qwen3MoeConfig",
@@ -180,7 +185,7 @@ MODELS = {
                     initializer_range=0.02, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384,
                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
                     hidden_act="silu"),
-        head_dim=64, warmup=2, steps=5, tied=False,
+        head_dim=64, warmup=2, steps=20, tied=False,
         description="Qwen3-MoE hidden 1024, 8 layers (all sparse), 16/4 heads, head_dim 64, 32 experts top-4, "
                     "moe_intermediate 384, norm_topk_prob, vocab 32000, untied, no expert parallelism, no aux loss"),
     "dense1.7b": dict(
@@ -189,7 +194,7 @@ MODELS = {
                     num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                     rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_cache=False,
                     attention_dropout=0.0, initializer_range=0.02),
-        head_dim=128, warmup=3, steps=10, tied=True,
+        head_dim=128, warmup=3, steps=20, tied=True,
         description="Qwen3-1.7B's shape: hidden 2048, 28 layers, 16/8 heads, head_dim 128, intermediate 6144, "
                     "vocab 151936, tied"),
     "vl2b_8layers": dict(
@@ -205,7 +210,7 @@ MODELS = {
                     temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=2048, num_position_embeddings=2304,
                     deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh", initializer_range=0.02),
         image_side=448,
-        head_dim=128, warmup=3, steps=10, tied=True,
+        head_dim=128, warmup=3, steps=20, tied=True,
         description="Qwen3-VL-2B's tower (depth 24, hidden 1024, 16 heads of 64, intermediate 4096, patch 16, "
                     "temporal 2, merge 2, deepstack 5/11/17) + its text model with 8 layers (hidden 2048, 16/8 heads, "
                     "head_dim 128, intermediate 6144, vocab 151936, tied, rope_theta 5e6, mrope [24, 20, 20]); one "
@@ -401,66 +406,77 @@ def measure_model(args, transformers, model_name, device, world, rank):
     # MoE: ask for grouped_mm where torch has grouped GEMMs; on failure (to build, or in the first step) the default.
     candidates = ([("grouped_mm" if hasattr(torch, "_grouped_mm") else None)] + [None]) if moe else [None]
     candidates = list(dict.fromkeys(candidates))
-    fallback = []
-    for i, impl in enumerate(candidates):
-        try:
-            model, opt, params = build(transformers, model_name, device, impl)
-            if vl:
-                inputs, targets = make_vl_batch(rank, spec, model.config, device, torch.bfloat16)
-                with torch.no_grad():  # MRoPE positions [3, 8, 2048], once (outside the steps)
-                    position_ids, _ = model.model.get_rope_index(
-                        inputs["input_ids"], mm_token_type_ids=inputs.pop("mm_token_type_ids"),
-                        image_grid_thw=inputs["image_grid_thw"])
-                inputs["position_ids"] = position_ids
+    reps = args.reps
+    rep_ms, all_ms, peak, reserved = [], [], 0.0, 0.0
+    for rep in range(reps):  # each repetition builds the model anew (as bench_fsdp)
+        fallback = []
+        model = opt = step = None
+        gc_cuda(device)
+        for i, impl in enumerate(candidates):
+            try:
+                model, opt, params = build(transformers, model_name, device, impl)
+                if vl:
+                    inputs, targets = make_vl_batch(rank, spec, model.config, device, torch.bfloat16)
+                    with torch.no_grad():  # MRoPE positions [3, 8, 2048], once (outside the steps)
+                        position_ids, _ = model.model.get_rope_index(
+                            inputs["input_ids"], mm_token_type_ids=inputs.pop("mm_token_type_ids"),
+                            image_grid_thw=inputs["image_grid_thw"])
+                    inputs["position_ids"] = position_ids
 
-                def step(model=model, opt=opt):
-                    opt.zero_grad(set_to_none=True)
-                    loss = model(**inputs, labels=targets, shift_labels=targets).loss
-                    loss.backward()
-                    opt.step()
-                    return loss
-            else:
-                def step(model=model, opt=opt):
-                    opt.zero_grad(set_to_none=True)
-                    logits = model(input_ids=ids, use_cache=False).logits
-                    loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1))
-                    del logits
-                    loss.backward()
-                    opt.step()
-                    return loss
+                    def step(model=model, opt=opt):
+                        opt.zero_grad(set_to_none=True)
+                        loss = model(**inputs, labels=targets, shift_labels=targets).loss
+                        loss.backward()
+                        opt.step()
+                        return loss
+                else:
+                    def step(model=model, opt=opt):
+                        opt.zero_grad(set_to_none=True)
+                        logits = model(input_ids=ids, use_cache=False).logits
+                        loss = F.cross_entropy(logits.float().view(-1, vocab), targets.view(-1))
+                        del logits
+                        loss.backward()
+                        opt.step()
+                        return loss
 
-            loss_first = float(step().item())
-            break
-        except (RuntimeError, TypeError, ValueError, ImportError, NotImplementedError, AttributeError) as e:
-            if i + 1 == len(candidates):
-                raise
-            fallback.append(f"{impl}: {first_line(e)}")
-            model = opt = step = None
-            gc_cuda(device)
-    for _ in range(warmup - 1):
-        step()
-    torch.cuda.synchronize(device)
-    dist.barrier()
-    torch.cuda.reset_peak_memory_stats(device)
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    loss = None
-    for i in range(steps):
-        marks[i].record()
-        loss = step()
-    marks[-1].record()
-    torch.cuda.synchronize(device)
-    step_ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(steps)]
-    stats = torch.tensor(step_ms + [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # per step the slowest rank; memory the largest rank
-    step_ms, peak, reserved = stats[:steps].tolist(), stats[-2].item(), stats[-1].item()
-    loss_last = float(loss.item())
+                loss_first = float(step().item())
+                break
+            except (RuntimeError, TypeError, ValueError, ImportError, NotImplementedError, AttributeError) as e:
+                if i + 1 == len(candidates):
+                    raise
+                fallback.append(f"{impl}: {first_line(e)}")
+                model = opt = step = None
+                gc_cuda(device)
+        for _ in range(warmup - 1):
+            step()
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        torch.cuda.reset_peak_memory_stats(device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        loss = None
+        for i in range(steps):
+            marks[i].record()
+            loss = step()
+        marks[-1].record()
+        torch.cuda.synchronize(device)
+        step_ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(steps)]
+        stats = torch.tensor(step_ms + [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                             dtype=torch.float64, device=device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)  # per step the slowest rank; memory the largest rank
+        step_ms = stats[:steps].tolist()
+        peak, reserved = max(peak, stats[-2].item()), max(reserved, stats[-1].item())
+        rep_ms.append(statistics.median(step_ms))
+        all_ms += step_ms
+        if rep == 0:
+            first_of_reps = loss_first
+        loss_last = float(loss.item())
+    loss_first = first_of_reps
 
     ln_v = math.log(vocab)
     error = ""
     if not (abs(loss_first - ln_v) < 1.0) or not math.isfinite(loss_last) or loss_last > ln_v + 1.0:
         error = f"correctness check failed: first loss {loss_first}, last loss {loss_last}, expected about {ln_v}"
-    median_ms = statistics.median(step_ms)
+    median_ms = statistics.median(rep_ms)  # the median of the repetitions' median steps
     tokens_per_step = world * SEQS * SEQ_LEN
     row = {
         "bench": bench_name(model_name, world),
@@ -469,9 +485,13 @@ def measure_model(args, transformers, model_name, device, world, rank):
         "peak_gib": peak / GIB,
         "reserved_gib": reserved / GIB,
         "tflops": step_flop(model_name) / (median_ms * 1e-3) / 1e12,
-        "mean_us": statistics.fmean(step_ms) * 1e3,
-        "min_us": min(step_ms) * 1e3,
-        "max_us": max(step_ms) * 1e3,
+        "mean_us": statistics.fmean(all_ms) * 1e3,
+        "min_us": min(all_ms) * 1e3,
+        "max_us": max(all_ms) * 1e3,
+        "reps": reps,
+        "rep_min_us": min(rep_ms) * 1e3,
+        "rep_max_us": max(rep_ms) * 1e3,
+        "spread_pct": 100.0 * (max(rep_ms) - min(rep_ms)) / median_ms,
         "loss_first": loss_first,
         "loss_last": loss_last,
         "gpus": world,
@@ -633,6 +653,14 @@ def print_table(slime, rows):
             print(f"{name} patches/s: slime {s['patches_per_s']:.0f}, torch {t['patches_per_s']:.0f}, "
                   f"x {s['patches_per_s'] / t['patches_per_s']:.2f} (slime / torch); model TFLOP/s per GPU: slime "
                   f"{s['tflops']:.1f}, torch {t['tflops']:.1f}")
+    # Run-to-run spread (issue 19's bar: <= 5%): the slowest repetition's median
+    # step over the fastest one's, both sides.
+    for name in names:
+        for side, row in (("slime", slime.get(name)), ("torch", torch_rows.get(name))):
+            if ok(row) and "spread_pct" in row:
+                print(f"{name} {side}: {int(row.get('reps', 0))} repetitions, median step {row['us'] / 1e3:.1f} ms, "
+                      f"fastest {row['rep_min_us'] / 1e3:.1f}, slowest {row['rep_max_us'] / 1e3:.1f} ms, "
+                      f"spread {row['spread_pct']:.1f}%")
     impls = {r["bench"]: r["experts_implementation"] + (f" (after: {r['fallback']})" if r.get("fallback") else "")
              for r in rows if "experts_implementation" in r}
     for name, impl in sorted(impls.items()):
@@ -652,19 +680,20 @@ def load_slime(paths):
 
 
 def main():
-    p = bench_util.parser(__doc__, out="torch_fsdp.json", warmup=None, reps=1, batch=1,
+    p = bench_util.parser(__doc__, out="torch_fsdp.json", warmup=None, reps=3, batch=1,
                           out_help="JSON written by rank 0",
-                          warmup_help="untimed steps (default: dense0.5b and dense1.7b 3, moe 2)")
+                          warmup_help="untimed steps of each repetition (default: dense0.5b and dense1.7b 3, moe 2)")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps; the median is reported (default: dense0.5b and dense1.7b 10, moe 5)")
+                   help="timed steps of each of --reps repetitions (each builds the model anew); the median of "
+                        "the repetitions' median steps is reported (default 20)")
     p.add_argument("--models", "--model", dest="models", default=DEFAULT_MODELS,
                    help=f"comma-separated models to measure ({', '.join(MODELS)}) or all (default: {DEFAULT_MODELS})")
     p.add_argument("--append", action="store_true", help="keep --out's rows for other GPU counts and models")
     p.add_argument("--table", action="store_true", help="only print the table of --slime beside --out")
     p.add_argument("--slime", nargs="+", help="bench_fsdp JSON file(s) (Google Benchmark) for the table, merged")
     args = p.parse_args()
-    if (args.warmup is not None and args.warmup < 1) or (args.steps is not None and args.steps < 1):
-        sys.exit("--warmup and --steps must be >= 1")
+    if (args.warmup is not None and args.warmup < 1) or (args.steps is not None and args.steps < 1) or args.reps < 1:
+        sys.exit("--warmup, --steps and --reps must be >= 1")
 
     if args.table:
         if not args.slime:

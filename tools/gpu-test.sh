@@ -56,6 +56,8 @@ bench_cap() {
     vision_tower) echo 150 ;;
     # 6 shapes x 3 passes x 9 rows (every tile, cuBLAS, the dense reference).
     grouped_gemm) echo 150 ;;
+    # 3 repetitions x (warm-up + 20 timed steps) per row, each building its model.
+    fsdp) echo 150 ;;
     *) echo 90 ;;
   esac
 }
@@ -214,9 +216,9 @@ fsdp_baseline() {
   local json="$OUT_DIR/torch_fsdp.json" runner=(torchrun)
   command -v torchrun >/dev/null 2>&1 || runner=(python3 -m torch.distributed.run)
   rm -f "$json"
-  step torch-fsdp2-gpus1 90 python3 bench/torch_fsdp2.py --out "$json"
+  step torch-fsdp2-gpus1 150 python3 bench/torch_fsdp2.py --out "$json"
   if ((GPUS >= 2)); then
-    step torch-fsdp2-gpus2 90 "${runner[@]}" --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1 \
+    step torch-fsdp2-gpus2 150 "${runner[@]}" --nnodes 1 --nproc-per-node 2 --master-addr 127.0.0.1 \
       --master-port "$(free_port_pair)" bench/torch_fsdp2.py --append --out "$json"
   else
     skip_step torch-fsdp2-gpus2 "needs 2 GPUs, found $GPUS"
