@@ -15,6 +15,7 @@
 
 #include "slime/comm/detail_reduce.hpp"
 #include "slime/comm/local_comm.hpp"
+#include "slime/core/host_sync.hpp"
 #include "slime/core/memory.hpp"
 
 namespace slime::comm::detail {
@@ -83,6 +84,7 @@ void reduce_ranks(int device, const void* const* inputs, int ranks, void* out, i
 
 void synchronize_stream(int device, void* stream) {
   DeviceGuard guard(Device::cuda(device));
+  note_host_sync();
   SLIME_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
 }
 

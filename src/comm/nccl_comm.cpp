@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "slime/comm/bootstrap.hpp"
+#include "slime/core/host_sync.hpp"
 
 static_assert(sizeof(ncclUniqueId) == slime::comm::NcclComm::kUniqueIdBytes,
               "NcclComm::kUniqueIdBytes must equal sizeof(ncclUniqueId)");
@@ -420,6 +421,7 @@ void NcclComm::do_barrier() {
   Call call(*this, barrier_stream_, "barrier");
   SLIME_NCCL_CHECK(ncclAllReduce(barrier_buffer_, barrier_buffer_, 1, ncclInt32, ncclSum, call.comm, call.stream),
                    call.comm, call.at());
+  note_host_sync();
   SLIME_CUDA_CHECK(cudaStreamSynchronize(call.stream));
   // An abort ends the all-reduce early; that is no barrier.
   SLIME_CHECK(!aborted(), "NcclComm::barrier on ", call.at(), ": the communicator was aborted while waiting");

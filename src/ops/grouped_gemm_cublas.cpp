@@ -23,6 +23,7 @@
 
 #include "slime/core/device.hpp"
 #include "slime/core/error.hpp"
+#include "slime/core/host_sync.hpp"
 #include "slime/core/memory.hpp"
 #include "slime/core/stream.hpp"
 #include "slime/ops/cuda/grouped_gemm.hpp"
@@ -108,6 +109,7 @@ class DeviceState {
     if (n > capacity_) grow(device, n);
     const int i = next_;
     next_ = (next_ + 1) % kGroupedGemmPointerSlots;
+    note_host_sync();  // the slot's last use done (at once unless the GPU lags a ring behind)
     SLIME_CUDA_CHECK(cudaEventSynchronize(events_[std::size_t(i)]));  // never recorded: returns at once
     return {pinned_ + std::size_t(i) * capacity_, device_ + std::size_t(i) * capacity_, events_[std::size_t(i)]};
   }
@@ -388,6 +390,7 @@ void grouped_gemm_cublas(const GroupedGemmParams& p, StreamHandle stream) {
     fetched.resize(std::size_t(p.experts + 1));
     SLIME_CUDA_CHECK(
         cudaMemcpyAsync(fetched.data(), p.offsets, fetched.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+    note_host_sync();
     SLIME_CUDA_CHECK(cudaStreamSynchronize(stream));
     check_grouped_gemm_host_offsets(fetched.data(), p.experts, p.rows);
     off = fetched.data();

@@ -32,6 +32,17 @@ inline slime::nn::Qwen3Config config() {
   return c;
 }
 
+// config() as a Qwen3-MoE: 8 experts top-2, layer 0 dense, layer 1 sparse.
+inline slime::nn::Qwen3Config moe_config() {
+  slime::nn::Qwen3Config c = config();
+  c.model_type = "qwen3_moe";
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 96;
+  c.mlp_only_layers = {0};
+  return c;
+}
+
 // ||a - b|| / ||b||; 1e30 when the sizes differ.
 inline double rel(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;

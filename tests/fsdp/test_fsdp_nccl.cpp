@@ -29,6 +29,7 @@ namespace {
 
 using namespace slime;
 using slime_test::fsdp::config;
+using slime_test::fsdp::moe_config;
 using slime_test::fsdp::rel;
 
 struct MicroBatch {
@@ -96,17 +97,6 @@ Result train(comm::Comm& comm, int first_rank, int per_process, int data_ranks) 
   model.init_random(5, 0.02f);
   parallel::Sharded<nn::Qwen3Model, S> sh(std::move(model), comm);
   return train_loop(sh, comm, first_rank, per_process, data_ranks);
-}
-
-// A small Qwen3-MoE: 8 experts top-2, layer 0 dense, layer 1 sparse.
-nn::Qwen3Config moe_config() {
-  nn::Qwen3Config c = config();
-  c.model_type = "qwen3_moe";
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 96;
-  c.mlp_only_layers = {0};
-  return c;
 }
 
 // The MoE model on `comm` over `mesh` (expert parallel along its ep axis when

@@ -204,6 +204,7 @@ inline void release_cached_memory(Device d) {
   if (!d.is_cuda()) return;
   check_device_exists(d);
   DeviceGuard guard(d);
+  note_host_sync();
   SLIME_CUDA_CHECK(cudaDeviceSynchronize());
   SLIME_CUDA_CHECK(cudaMemPoolTrimTo(detail::device_pool(d.index), 0));
 #else

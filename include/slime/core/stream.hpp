@@ -8,6 +8,7 @@
 
 #include "slime/core/cuda_runtime.hpp"
 #include "slime/core/device.hpp"
+#include "slime/core/host_sync.hpp"
 
 namespace slime {
 
@@ -56,6 +57,7 @@ class Stream {
 #if SLIME_HAS_CUDA
     if (device_.is_cuda()) {
       DeviceGuard guard(device_);
+      note_host_sync();
       SLIME_CUDA_CHECK(cudaStreamSynchronize(handle_));
     }
 #endif
@@ -108,7 +110,10 @@ class Event {
 
   void synchronize() const {
 #if SLIME_HAS_CUDA
-    if (device_.is_cuda()) SLIME_CUDA_CHECK(cudaEventSynchronize(handle_));
+    if (device_.is_cuda()) {
+      note_host_sync();
+      SLIME_CUDA_CHECK(cudaEventSynchronize(handle_));
+    }
 #endif
   }
 
@@ -137,6 +142,7 @@ inline void synchronize_device(Device d) {
 #if SLIME_HAS_CUDA
   if (d.is_cuda()) {
     DeviceGuard guard(d);
+    note_host_sync();
     SLIME_CUDA_CHECK(cudaDeviceSynchronize());
   }
 #else

@@ -163,6 +163,8 @@ class Tensor {
     if (dd.is_cuda() && sd.is_cuda() && dd != sd) {
       SLIME_CUDA_CHECK(cudaMemcpyPeerAsync(data_ptr(), dd.index, src.data_ptr(), sd.index, nbytes(), s.handle()));
     } else {
+      // Into pageable host memory the copy returns only when done: a host wait.
+      if (dd.is_cpu() && !is_pinned()) note_host_sync();
       SLIME_CUDA_CHECK(cudaMemcpyAsync(data_ptr(), src.data_ptr(), nbytes(), cudaMemcpyDefault, s.handle()));
     }
 #else
