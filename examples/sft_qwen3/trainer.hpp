@@ -173,10 +173,12 @@ struct MicroBatchLoss {
 // of it (`cp` plans them; at --cp 1 every row), forward, the fused LM head,
 // backward of -sum_t w_t log p(target_t) / normalizer with w = 1 on the
 // tokens and 0 on cp padding.
+// ctx: one Context for every micro-batch (its buffers, sized by the first,
+// hold the activations of the next ones).
 template <class ShardedModel>
-MicroBatchLoss train_micro_batch(ShardedModel& sh, parallel::ContextParallel& cp, const TokenDataset& data,
-                                 const std::vector<Sequence>& step_sequences, const slime::data::MicroBatchPlan& mb,
-                                 double normalizer) {
+MicroBatchLoss train_micro_batch(ShardedModel& sh, typename ShardedModel::Context& ctx, parallel::ContextParallel& cp,
+                                 const TokenDataset& data, const std::vector<Sequence>& step_sequences,
+                                 const slime::data::MicroBatchPlan& mb, double normalizer) {
   std::vector<int32_t> cu{0}, tokens, targets, seq_inputs, seq_targets;
   for (const int32_t i : mb.samples) {
     data.inputs_and_targets(step_sequences[std::size_t(i)], seq_inputs, seq_targets);
@@ -200,7 +202,7 @@ MicroBatchLoss train_micro_batch(ShardedModel& sh, parallel::ContextParallel& cp
                                   "sft_qwen3: micro-batch");
   const Tensor t = Tensor::from_vector(plan.take(targets, 0), {T}, sh.device());
   const Tensor w = Tensor::from_vector(plan.take(weights, 0.f), {T}, sh.device());
-  const nn::LossResult r = sh.loss_and_backward(batch, t, w, 1.f, normalizer);
+  const nn::LossResult r = sh.loss_and_backward(ctx, batch, t, w, 1.f, normalizer);
   const double aux = sh.module().config().router_aux_loss_coef * r.aux_loss;  // 0 when not included
   return {r.loss - aux, aux};
 }
@@ -289,6 +291,7 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
   }
 
   const int64_t last = o.stop_after > 0 ? std::min(o.stop_after, o.steps) : o.steps;
+  typename decltype(sh)::Context ctx;  // reused by every micro-batch of every step
   while (step < last) {
     ++step;
     const double start = now_seconds();
@@ -312,7 +315,7 @@ RunResult train_rank_as(comm::Comm& comm, const TrainOptions& o, const TokenData
     sh.set_micro_batches(int(mine.micro_batches.size()));
     double rank_loss = 0, aux_loss = 0;
     for (const slime::data::MicroBatchPlan& mb : mine.micro_batches) {
-      const MicroBatchLoss l = train_micro_batch(sh, cp, data, sequences, mb, double(step_tokens));
+      const MicroBatchLoss l = train_micro_batch(sh, ctx, cp, data, sequences, mb, double(step_tokens));
       rank_loss += l.share;
       aux_loss += l.aux;
     }

@@ -653,3 +653,50 @@ TEMPLATE_TEST_CASE("Sharded: a steady-state training step allocates nothing", "[
     CHECK(bitwise_equal(got, run(false, nullptr)));
   }
 }
+
+// loss_and_backward with a kept Context: the same parameters bit for bit as
+// with a fresh Context per micro-batch, and the activations and LM head
+// outputs are not allocated again (what a step still allocates: the
+// gradient of the logprobs, uploaded per micro-batch).
+TEST_CASE("Sharded::loss_and_backward with a kept Context equals a fresh one and reuses its buffers",
+          "[fsdp][memory]") {
+  constexpr int kRanks = 2, kSteps = 3, kMicroBatches = 2;
+  auto run = [&](bool kept, std::vector<int64_t>* allocations) {
+    Params out;
+    comm::run_local_ranks(kRanks, [&](comm::Comm& comm) {
+      Sharded<nn::Qwen3Model, FullShard> sh(make_model(tiny_config(false, true)), comm);
+      Sharded<nn::Qwen3Model, FullShard>::Context ctx;
+      std::vector<MicroBatch> mbs;
+      for (int m = 0; m < kMicroBatches; ++m) mbs.push_back(micro_batch(0, comm.rank(), m, 37));
+      for (int step = 0; step < kSteps; ++step) {
+        comm.barrier();
+        const int64_t before = memory_stats(Device::cpu()).allocations;
+        comm.barrier();
+        sh.zero_grad();
+        sh.set_micro_batches(kMicroBatches);
+        for (const MicroBatch& mb : mbs) {
+          const nn::LossResult r =
+              kept ? sh.loss_and_backward(ctx, mb.batch, mb.targets) : sh.loss_and_backward(mb.batch, mb.targets);
+          CHECK(std::isfinite(r.loss));
+        }
+        sh.optimizer_step(kLr);
+        comm.barrier();
+        const int64_t after = memory_stats(Device::cpu()).allocations;
+        comm.barrier();
+        if (allocations && comm.rank() == 0) allocations->push_back(after - before);
+      }
+      for (const std::string& name : sh.parameter_names()) {
+        const Tensor full = sh.gather_parameter(name);
+        if (comm.rank() == 0) out[name] = full.to_vector<float>();
+      }
+    });
+    return out;
+  };
+  std::vector<int64_t> fresh_allocs, kept_allocs;
+  const Params fresh = run(false, &fresh_allocs);
+  CHECK(bitwise_equal(run(true, &kept_allocs), fresh));
+  INFO("allocations per step: fresh " << fresh_allocs.back() << ", kept " << kept_allocs.back());
+  // Per micro-batch and rank: the gradient of the logprobs (from_vector).
+  CHECK(kept_allocs.back() == kRanks * kMicroBatches);
+  CHECK(fresh_allocs.back() > 10 * kept_allocs.back());
+}

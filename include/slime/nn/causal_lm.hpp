@@ -61,11 +61,16 @@ concept CausalLM = requires(LM& lm, const typename LM::Context& cctx, typename L
 };
 
 // See the top of this file. loss_weights: undefined, or f32 [T] on any device.
+// reuse: a Context the caller keeps across micro-batches (its buffers hold
+// the activations and, where the model has token_logprobs(ctx, ...), the LM
+// head's outputs: the returned logprobs and entropy are then views, valid
+// until the next call with it); null: a fresh one.
 template <class LM, class Batch>
 requires CausalLM<LM, Batch> LossResult causal_lm_loss_and_backward(LM& lm, const Batch& batch, const Tensor& targets,
                                                                     const Tensor& loss_weights, float temperature,
                                                                     std::optional<double> normalizer,
-                                                                    const Stream& stream, bool with_aux_loss) {
+                                                                    const Stream& stream, bool with_aux_loss,
+                                                                    typename LM::Context* reuse = nullptr) {
   const int64_t T = batch.num_tokens();
   std::vector<float> w;
   if (loss_weights.defined()) {
@@ -81,13 +86,25 @@ requires CausalLM<LM, Batch> LossResult causal_lm_loss_and_backward(LM& lm, cons
   }
   n = normalizer.value_or(n);
   SLIME_CHECK(n > 0, "loss_and_backward: normalizer must be positive, got ", n);
-  typename LM::Context ctx;
+  typename LM::Context fresh;
+  typename LM::Context& ctx = reuse ? *reuse : fresh;
+  constexpr bool buffered_head = requires(const Tensor& t) { lm.token_logprobs(ctx, t, t, temperature, stream); };
   Tensor hidden = lm.forward(batch, ctx, stream);
-  ops::TokenLogprobs lp = lm.token_logprobs(hidden, targets, temperature, stream);
+  ops::TokenLogprobs lp;
+  if constexpr (buffered_head) {
+    lp = lm.token_logprobs(ctx, hidden, targets, temperature, stream);
+  } else {
+    lp = lm.token_logprobs(hidden, targets, temperature, stream);
+  }
   std::vector<float> grad(std::size_t(T), float(-1.0 / n));
   for (std::size_t t = 0; t < w.size(); ++t) grad[t] = float(-double(w[t]) / n);
   Tensor grad_lp = Tensor::from_vector(grad, {T}, lm.device(), stream);
-  Tensor d_hidden = lm.token_logprobs_backward(hidden, targets, temperature, lp, grad_lp, Tensor{}, stream);
+  Tensor d_hidden;
+  if constexpr (buffered_head) {
+    d_hidden = lm.token_logprobs_backward(ctx, hidden, targets, temperature, lp, grad_lp, Tensor{}, stream);
+  } else {
+    d_hidden = lm.token_logprobs_backward(hidden, targets, temperature, lp, grad_lp, Tensor{}, stream);
+  }
   AuxLoss aux;
   if (with_aux_loss) aux = lm.aux_loss_and_grad(ctx, std::nullopt, stream);
   lm.backward(ctx, d_hidden, stream, aux);

@@ -529,13 +529,18 @@ class Sharded {
       const Batch& batch, const Tensor& targets, const Tensor& loss_weights, float temperature = 1.f,
       std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
       std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module, Batch> {
-    check_trains("loss_and_backward");
-    check_onloaded("loss_and_backward");
-    const Stream s = compute_stream(stream);
-    bool aux = with_aux_loss.value_or(false);
-    if constexpr (requires(Module & m) { m.config().output_router_logits; })
-      aux = with_aux_loss.value_or(module_->language_config().output_router_logits);
-    return nn::causal_lm_loss_and_backward(*this, batch, targets, loss_weights, temperature, normalizer, s, aux);
+    return loss_and_backward_in(nullptr, batch, targets, loss_weights, temperature, normalizer, stream, with_aux_loss);
+  }
+
+  // As above with a Context the caller keeps across micro-batches: its
+  // buffers hold the activations and the LM head's outputs (the returned
+  // logprobs and entropy are views, valid until the next call with ctx).
+  template <class Batch = nn::PackedBatch>
+  nn::LossResult loss_and_backward(
+      Context& ctx, const Batch& batch, const Tensor& targets, const Tensor& loss_weights = {}, float temperature = 1.f,
+      std::optional<double> normalizer = std::nullopt, const Stream& stream = {},
+      std::optional<bool> with_aux_loss = std::nullopt) requires nn::CausalLM<Module, Batch> {
+    return loss_and_backward_in(&ctx, batch, targets, loss_weights, temperature, normalizer, stream, with_aux_loss);
   }
 
   // The next n backward passes accumulate into one optimizer step (default 1).
@@ -1001,6 +1006,20 @@ class Sharded {
     const double d = optim::global_grad_norm(dense, shard_comm_, s, &norm_buffers_);
     const double e = optim::global_grad_norm(expert, expert_norm_comm_, s, &norm_buffers_);
     return std::sqrt(d * d + e * e);
+  }
+
+  // loss_and_backward in ctx (null: a fresh Context).
+  template <class Batch>
+  nn::LossResult loss_and_backward_in(Context* ctx, const Batch& batch, const Tensor& targets,
+                                      const Tensor& loss_weights, float temperature, std::optional<double> normalizer,
+                                      const Stream& stream, std::optional<bool> with_aux_loss) {
+    check_trains("loss_and_backward");
+    check_onloaded("loss_and_backward");
+    const Stream s = compute_stream(stream);
+    bool aux = with_aux_loss.value_or(false);
+    if constexpr (requires(Module & m) { m.config().output_router_logits; })
+      aux = with_aux_loss.value_or(module_->language_config().output_router_logits);
+    return nn::causal_lm_loss_and_backward(*this, batch, targets, loss_weights, temperature, normalizer, s, aux, ctx);
   }
 
   void check_lm_head(const char* where) const {
