@@ -583,6 +583,29 @@ TEST_CASE("Sharded: bad input gives clear errors", "[fsdp]") {
   }
 }
 
+// The CPU allocations of f() on every rank together (allocation counts are
+// per process): the ranks meet before and after it.
+template <class F>
+int64_t allocations_of(comm::Comm& comm, F&& f) {
+  comm.barrier();
+  const int64_t before = memory_stats(Device::cpu()).allocations;
+  comm.barrier();
+  f();
+  comm.barrier();
+  const int64_t after = memory_stats(Device::cpu()).allocations;
+  comm.barrier();
+  return after - before;
+}
+
+// Every parameter of `sh` gathered (collective); into `out` on rank 0.
+template <class S>
+void gather_into(Sharded<nn::Qwen3Model, S>& sh, comm::Comm& comm, Params& out) {
+  for (const std::string& name : sh.parameter_names()) {
+    const Tensor full = sh.gather_parameter(name);
+    if (comm.rank() == 0) out[name] = full.to_vector<float>();
+  }
+}
+
 // Issue 19: the gathered parameters, full gradients and staging of the
 // collectives (BufferCache), the LM head's outputs and workspace
 // (token_logprobs with the Context) and the grad-norm scratch are reused, so
@@ -610,35 +633,28 @@ TEMPLATE_TEST_CASE("Sharded: a steady-state training step allocates nothing", "[
           grad_lps.push_back(Tensor::from_vector(std::vector<float>(std::size_t(T), -0.01f), {T}));
         }
         for (int step = 0; step < kSteps; ++step) {
-          comm.barrier();
-          const int64_t before = memory_stats(Device::cpu()).allocations;
-          comm.barrier();
-          sh.zero_grad();
-          sh.set_micro_batches(kMicroBatches);
-          for (int m = 0; m < kMicroBatches; ++m) {
-            const MicroBatch& mb = mbs[std::size_t(m)];
-            const Tensor& grad_lp = grad_lps[std::size_t(m)];
-            typename Model::Context fresh;
-            typename Model::Context& ctx = reused ? kept : fresh;
-            const Tensor hidden = sh.forward(mb.batch, ctx);
-            if (reused) {
-              const ops::TokenLogprobs lp = sh.token_logprobs(ctx, hidden, mb.targets);
-              sh.backward(ctx, sh.token_logprobs_backward(ctx, hidden, mb.targets, 1.f, lp, grad_lp, Tensor{}));
-            } else {
-              const ops::TokenLogprobs lp = sh.token_logprobs(hidden, mb.targets);
-              sh.backward(ctx, sh.token_logprobs_backward(hidden, mb.targets, 1.f, lp, grad_lp, Tensor{}));
+          const int64_t n = allocations_of(comm, [&] {
+            sh.zero_grad();
+            sh.set_micro_batches(kMicroBatches);
+            for (int m = 0; m < kMicroBatches; ++m) {
+              const MicroBatch& mb = mbs[std::size_t(m)];
+              const Tensor& grad_lp = grad_lps[std::size_t(m)];
+              typename Model::Context fresh;
+              typename Model::Context& ctx = reused ? kept : fresh;
+              const Tensor hidden = sh.forward(mb.batch, ctx);
+              if (reused) {
+                const ops::TokenLogprobs lp = sh.token_logprobs(ctx, hidden, mb.targets);
+                sh.backward(ctx, sh.token_logprobs_backward(ctx, hidden, mb.targets, 1.f, lp, grad_lp, Tensor{}));
+              } else {
+                const ops::TokenLogprobs lp = sh.token_logprobs(hidden, mb.targets);
+                sh.backward(ctx, sh.token_logprobs_backward(hidden, mb.targets, 1.f, lp, grad_lp, Tensor{}));
+              }
             }
-          }
-          sh.optimizer_step(kLr, 1.0);  // clipped: the grad norm's all-reduce runs too
-          comm.barrier();
-          const int64_t after = memory_stats(Device::cpu()).allocations;
-          comm.barrier();
-          if (allocations && comm.rank() == 0) allocations->push_back(after - before);
+            sh.optimizer_step(kLr, 1.0);  // clipped: the grad norm's all-reduce runs too
+          });
+          if (allocations && comm.rank() == 0) allocations->push_back(n);
         }
-        for (const std::string& name : sh.parameter_names()) {
-          const Tensor full = sh.gather_parameter(name);
-          if (comm.rank() == 0) out[name] = full.to_vector<float>();
-        }
+        gather_into(sh, comm, out);
       });
       return out;
     };
@@ -669,26 +685,19 @@ TEST_CASE("Sharded::loss_and_backward with a kept Context equals a fresh one and
       std::vector<MicroBatch> mbs;
       for (int m = 0; m < kMicroBatches; ++m) mbs.push_back(micro_batch(0, comm.rank(), m, 37));
       for (int step = 0; step < kSteps; ++step) {
-        comm.barrier();
-        const int64_t before = memory_stats(Device::cpu()).allocations;
-        comm.barrier();
-        sh.zero_grad();
-        sh.set_micro_batches(kMicroBatches);
-        for (const MicroBatch& mb : mbs) {
-          const nn::LossResult r =
-              kept ? sh.loss_and_backward(ctx, mb.batch, mb.targets) : sh.loss_and_backward(mb.batch, mb.targets);
-          CHECK(std::isfinite(r.loss));
-        }
-        sh.optimizer_step(kLr);
-        comm.barrier();
-        const int64_t after = memory_stats(Device::cpu()).allocations;
-        comm.barrier();
-        if (allocations && comm.rank() == 0) allocations->push_back(after - before);
+        const int64_t n = allocations_of(comm, [&] {
+          sh.zero_grad();
+          sh.set_micro_batches(kMicroBatches);
+          for (const MicroBatch& mb : mbs) {
+            const nn::LossResult r =
+                kept ? sh.loss_and_backward(ctx, mb.batch, mb.targets) : sh.loss_and_backward(mb.batch, mb.targets);
+            CHECK(std::isfinite(r.loss));
+          }
+          sh.optimizer_step(kLr);
+        });
+        if (allocations && comm.rank() == 0) allocations->push_back(n);
       }
-      for (const std::string& name : sh.parameter_names()) {
-        const Tensor full = sh.gather_parameter(name);
-        if (comm.rank() == 0) out[name] = full.to_vector<float>();
-      }
+      gather_into(sh, comm, out);
     });
     return out;
   };
