@@ -79,8 +79,8 @@ class Tensor {
   template <class T>
   static Tensor from_vector(const std::vector<T>& values, const Shape& shape, Device device = Device::cpu(),
                             const Stream& stream = {}) {
-    SLIME_CHECK(int64_t(values.size()) == shape.numel(), "from_vector: ", values.size(), " values do not fill shape ",
-                shape, " (", shape.numel(), " elements)");
+    SLIME_CHECK(int64_t(values.size()) == shape.numel(), "from_vector: ", values.size(),
+                " values do not fill shape ", shape, " (", shape.numel(), " elements)");
     Tensor host;
     host.storage_ = std::make_shared<Storage>(MemoryKind::host, values.size() * sizeof(T), Stream{});
     host.shape_ = shape;
@@ -110,7 +110,8 @@ class Tensor {
   // Typed pointer; throws if T is not the stored type.
   template <class T>
   T* data() const {
-    SLIME_CHECK(dtype_of<T> == dtype_, "data<", dtype_name(dtype_of<T>), ">() on a ", dtype_name(dtype_), " tensor");
+    SLIME_CHECK(dtype_of<T> == dtype_, "data<", dtype_name(dtype_of<T>), ">() on a ", dtype_name(dtype_),
+                " tensor");
     return static_cast<T*>(data_ptr());
   }
 

@@ -162,10 +162,10 @@ struct Qwen3VLConfig {
 
 // What Qwen3VLModel::forward takes (make_vl_batch builds it).
 struct VLBatch {
-  PackedBatch text;            // tokens, cu_seqlens; positions [T, 3] (MRoPE)
-  Tensor pixel_values;         // [P, patch_dim] in the model's dtype; undefined without images
-  std::vector<GridThw> grids;  // per image, in the order of its placeholder run in `text`
-  Tensor image_rows;           // i32 [N]: the rows of the image-pad tokens, increasing
+  PackedBatch text;                    // tokens, cu_seqlens; positions [T, 3] (MRoPE)
+  Tensor pixel_values;                 // [P, patch_dim] in the model's dtype; undefined without images
+  std::vector<GridThw> grids;          // per image, in the order of its placeholder run in `text`
+  Tensor image_rows;                   // i32 [N]: the rows of the image-pad tokens, increasing
 
   int64_t num_tokens() const { return text.num_tokens(); }
   bool has_images() const { return !grids.empty(); }

@@ -317,20 +317,6 @@ struct TokenLogprobs {
   Tensor lse;       // f32 [tokens], for the backward
 };
 
-// Convenience forward that allocates its outputs (and, on the GPU, a workspace).
-inline TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
-                                    float temperature = 1.f, const Stream& stream = {}) {
-  SLIME_CHECK(hidden.defined() && hidden.dim() == 2, "token_logprobs: hidden must be [tokens, dim], got ",
-              hidden.str());
-  const Device dev = hidden.device();
-  const Shape shape{hidden.size(0)};
-  TokenLogprobs out{Tensor::empty(shape, DType::f32, dev, stream), Tensor::empty(shape, DType::f32, dev, stream),
-                    Tensor::empty(shape, DType::f32, dev, stream)};
-  token_logprobs_forward(hidden, weight, targets, temperature, out.logprobs, out.entropy, out.lse, Tensor{}, {},
-                         stream);
-  return out;
-}
-
 // Buffers a caller keeps across calls (a model's Context does) so that
 // token_logprobs and its backward allocate nothing once sized: the outputs,
 // the GPU workspace and grad_hidden. What a call returns is a view of them,
@@ -350,7 +336,7 @@ inline Tensor buffer_workspace(TokenLogprobsBuffers& b, const Tensor& hidden, in
 }
 }  // namespace token_logprobs_detail
 
-// token_logprobs with its outputs and workspace in `buffers`.
+// token_logprobs_forward with its outputs and workspace in `buffers`.
 inline TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
                                     float temperature, TokenLogprobsBuffers& buffers, const Stream& stream = {}) {
   SLIME_CHECK(hidden.defined() && hidden.dim() == 2, "token_logprobs: hidden must be [tokens, dim], got ",
@@ -364,6 +350,13 @@ inline TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& weight, 
   const Tensor ws = token_logprobs_detail::buffer_workspace(buffers, hidden, weight.size(0), stream);
   token_logprobs_forward(hidden, weight, targets, temperature, out.logprobs, out.entropy, out.lse, ws, {}, stream);
   return out;
+}
+
+// Convenience forward that allocates its outputs (and, on the GPU, a workspace).
+inline TokenLogprobs token_logprobs(const Tensor& hidden, const Tensor& weight, const Tensor& targets,
+                                    float temperature = 1.f, const Stream& stream = {}) {
+  TokenLogprobsBuffers fresh;
+  return token_logprobs(hidden, weight, targets, temperature, fresh, stream);
 }
 
 // grad_hidden (in `buffers`) from the gradients of token_logprobs' outputs;
