@@ -181,15 +181,21 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const __grid_constant__
   const AdamWEntry& e = a.t[find_entry(a.t, a.count, chunk)];
   const int64_t begin = int64_t(chunk - e.chunk_begin) * kMultiTensorChunk;
   const int64_t end = std::min(begin + kMultiTensorChunk, e.numel);
+  AdamWScalars s = a.s;
+  if (s.device_grad_scale != nullptr) {
+    const float f = *s.device_grad_scale;  // block-uniform: every block returns, or none
+    if (!isfinite(f)) return;
+    s.grad_scale = __fmul_rn(s.grad_scale, f);
+  }
   switch (e.copy_kind) {
     case CopyKind::none:
-      adamw_chunk<void>(e, a.s, begin, end);
+      adamw_chunk<void>(e, s, begin, end);
       break;
     case CopyKind::f32:
-      adamw_chunk<float>(e, a.s, begin, end);
+      adamw_chunk<float>(e, s, begin, end);
       break;
     case CopyKind::bf16:
-      adamw_chunk<BFloat16>(e, a.s, begin, end);
+      adamw_chunk<BFloat16>(e, s, begin, end);
       break;
   }
 }
@@ -240,12 +246,36 @@ __global__ void __launch_bounds__(kThreads) sum_of_squares_kernel(const __grid_c
 // *out = sum of partials[0, n) in fp64: thread t adds partials t, t + 1024,
 // ... in order, then a fixed tree.
 constexpr int kFinalThreads = 1024;
-__global__ void __launch_bounds__(kFinalThreads) sum_partials_kernel(const float* partials, int64_t n, double* out) {
+__global__ void __launch_bounds__(kFinalThreads)
+    sum_partials_kernel(const float* partials, int64_t n, double* out, float* out_f32) {
   __shared__ double shared[kFinalThreads / 32];
   double x = 0;
   for (int64_t i = threadIdx.x; i < n; i += kFinalThreads) x += double(partials[i]);
   x = block_sum(x, shared);
-  if (threadIdx.x == 0) *out = x;
+  if (threadIdx.x == 0) {
+    *out = x;
+    if (out_f32 != nullptr) *out_f32 = float(x);
+  }
+}
+
+// optim::clip_coefficient on the device: the same fp64 operations, written
+// with rounded intrinsics so that nothing is contracted into an fma.
+__device__ __forceinline__ double group_norm(const NormSums& s, int i) {
+  return sqrt(s.f64[i] != nullptr ? *s.f64[i] : double(*s.f32[i]));
+}
+__global__ void clip_factor_kernel(const NormSums s, double max_norm, double* norm_out, float* factor_out) {
+  double norm = group_norm(s, 0);
+  if (s.count == 2) {
+    const double e = group_norm(s, 1);
+    norm = sqrt(__dadd_rn(__dmul_rn(norm, norm), __dmul_rn(e, e)));
+  }
+  float factor = __int_as_float(0x7fc00000);  // NaN: the update is skipped
+  if (isfinite(norm)) {
+    const double c = __ddiv_rn(max_norm, __dadd_rn(norm, 1e-6));
+    factor = c < 1 ? float(c) : 1.f;
+  }
+  *norm_out = norm;
+  *factor_out = factor;
 }
 
 int64_t chunks_of(int64_t numel) { return (numel + kMultiTensorChunk - 1) / kMultiTensorChunk; }
@@ -296,7 +326,7 @@ std::size_t sum_of_squares_workspace_bytes(std::span<const int64_t> numels) {
 }
 
 void sum_of_squares_multi_tensor(std::span<const float* const> data, std::span<const int64_t> numels, void* workspace,
-                                 StreamHandle stream) {
+                                 StreamHandle stream, float* sum_f32) {
   SLIME_CHECK(data.size() == numels.size(), "sum_of_squares: ", data.size(), " pointers for ", numels.size(), " sizes");
   SLIME_CHECK(aligned(workspace, 8), "sum_of_squares: the workspace must be 8-byte aligned");
   float* partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + kPartialsOffset);
@@ -324,7 +354,15 @@ void sum_of_squares_multi_tensor(std::span<const float* const> data, std::span<c
     if (a.count == kSumSqTableSize) flush();
   }
   flush();
-  sum_partials_kernel<<<1, kFinalThreads, 0, stream>>>(partials, chunks, static_cast<double*>(workspace));
+  sum_partials_kernel<<<1, kFinalThreads, 0, stream>>>(partials, chunks, static_cast<double*>(workspace), sum_f32);
+  SLIME_CUDA_CHECK_LAUNCH();
+}
+
+void clip_factor_on_device(const NormSums& sums, double max_norm, double* norm, float* factor, StreamHandle stream) {
+  SLIME_CHECK(sums.count == 1 || sums.count == 2, "clip_factor_on_device: 1 or 2 groups, got ", sums.count);
+  for (int i = 0; i < sums.count; ++i)
+    SLIME_CHECK(sums.f32[i] != nullptr || sums.f64[i] != nullptr, "clip_factor_on_device: group ", i, " has no sum");
+  clip_factor_kernel<<<1, 1, 0, stream>>>(sums, max_norm, norm, factor);
   SLIME_CUDA_CHECK_LAUNCH();
 }
 

@@ -709,3 +709,49 @@ TEST_CASE("Sharded::loss_and_backward with a kept Context equals a fresh one and
   CHECK(kept_allocs.back() == kRanks * kMicroBatches);
   CHECK(fresh_allocs.back() > 10 * kept_allocs.back());
 }
+
+TEST_CASE("Sharded::queue_optimizer_step clips as optimizer_step does; a NaN norm skips the update", "[fsdp]") {
+  for (const bool moe : {false, true}) {
+    INFO((moe ? "Qwen3-MoE" : "dense Qwen3"));
+    comm::run_local_ranks(2, [&](comm::Comm& comm) {
+      Sharded<nn::Qwen3Model, FullShard> host(make_model(tiny_config(false, moe)), comm);
+      Sharded<nn::Qwen3Model, FullShard> queued(make_model(tiny_config(false, moe)), comm);
+      auto masters = [](auto& sh) {
+        std::vector<std::vector<float>> m;
+        sh.for_each_local_shard([&](const parallel::LocalShard& l) { m.push_back(l.master.to_vector<float>()); });
+        return m;
+      };
+      auto backward = [&](auto& sh, int step, bool nan) {
+        sh.zero_grad();
+        MicroBatch mb = micro_batch(step, comm.rank(), 0, 37);
+        const int64_t T = mb.batch.num_tokens();
+        std::vector<float> w(std::size_t(T), 1.f);
+        if (nan) w[std::size_t(T / 2)] = std::numeric_limits<float>::quiet_NaN();
+        sh.loss_and_backward(mb.batch, mb.targets, Tensor::from_vector(w, {T}), 1.f, double(T));
+      };
+      for (int step = 0; step < 3; ++step) {
+        backward(host, step, false);
+        backward(queued, step, false);
+        const double norm = *host.optimizer_step(kLr, 0.05);  // every step clips
+        const optim::PendingNorm pending = queued.queue_optimizer_step(kLr, 0.05);
+        REQUIRE(pending.has_value());
+        CHECK(pending.get() == norm);
+      }
+      CHECK(masters(host) == masters(queued));
+      CHECK_FALSE(queued.queue_optimizer_step(kLr).has_value());  // no clipping, no norm
+      CHECK_FALSE(host.optimizer_step(kLr).has_value());
+
+      backward(host, 3, true);
+      backward(queued, 3, true);
+      const auto before = masters(host);
+      CHECK_THROWS_WITH(host.optimizer_step(kLr, 1.0), ContainsSubstring("update was not applied"));
+      CHECK(host.optimizer().step_count() == 4);
+      CHECK(masters(host) == before);
+      const optim::PendingNorm pending = queued.queue_optimizer_step(kLr, 1.0);
+      CHECK(std::isnan(pending.get()));
+      CHECK(queued.optimizer().step_count() == 5);  // a skipped step counts
+      CHECK(masters(queued) == before);
+      CHECK_THROWS_WITH(queued.queue_optimizer_step(kLr, -1.0), ContainsSubstring("max_grad_norm must be 0"));
+    });
+  }
+}

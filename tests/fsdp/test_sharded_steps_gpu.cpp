@@ -1,16 +1,20 @@
 // Issue 19 on one GPU: a steady-state Sharded training step (bf16 Qwen3,
 // dense and MoE, FullShard; forward, token_logprobs and its backward through
-// the reused Context, backward, AdamW without clipping) allocates nothing
+// the reused Context, backward, AdamW without clipping, and with clipping by
+// queue_optimizer_step: the clip factor on the device) allocates nothing
 // (device, host and pinned allocation counts unchanged over 3 steps after 2
 // warm-up steps) and makes the host wait for the GPU nowhere
 // (slime::host_sync_count unchanged; a 1-rank NcclComm, whose collectives
 // never wait on the host). With 2 LocalComm ranks on the same GPU (gathers
 // and reductions through BufferCache) the steps allocate nothing either
 // (LocalComm waits on the host by design, so its syncs are not counted).
-// The counts are printed (INFO) when a check fails.
+// The counts are printed (INFO) when a check fails. The device's clip reads
+// the same norm as the host's grad_norm, bit for bit.
 #include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -39,8 +43,10 @@ struct Counts {
 
 // kWarmup + kCounted steps of `sh` on one micro-batch of 3 sequences (17,
 // 57 and 97 tokens) with this rank's tokens; the counters over the last
-// kCounted steps (process-wide: with several ranks, theirs too).
-Counts count_steps(Policy& sh, int rank, comm::Comm& comm) {
+// kCounted steps (process-wide: with several ranks, theirs too). With
+// max_grad_norm > 0 the steps clip (queue_optimizer_step; each step's norm
+// left unread).
+Counts count_steps(Policy& sh, int rank, comm::Comm& comm, double max_grad_norm = 0) {
   const Device dev = sh.device();
   std::vector<std::vector<int32_t>> seqs;
   std::vector<int32_t> targets;
@@ -62,7 +68,7 @@ Counts count_steps(Policy& sh, int rank, comm::Comm& comm) {
     const Tensor hidden = sh.forward(batch, ctx, s);
     const ops::TokenLogprobs lp = sh.token_logprobs(ctx, hidden, tgt, 1.f, s);
     sh.backward(ctx, sh.token_logprobs_backward(ctx, hidden, tgt, 1.f, lp, grad_lp, Tensor{}, s), s);
-    sh.optimizer_step(1e-3, 0, s);
+    sh.queue_optimizer_step(1e-3, max_grad_norm, s);
   };
   for (int i = 0; i < kWarmup; ++i) step();
   s.synchronize();
@@ -84,17 +90,67 @@ TEST_CASE("a Sharded step on one GPU allocates nothing and never waits on the ho
   if (cuda_device_count() == 0) SKIP("no CUDA device");
   for (const bool moe : {false, true}) {
     INFO((moe ? "Qwen3-MoE" : "dense Qwen3"));
+    for (const double max_grad_norm : {0.0, 1e-3}) {
+      INFO("max_grad_norm " << max_grad_norm);
+      const auto comm = comm::NcclComm::init_rank(comm::NcclComm::unique_id(), 0, 1, Device::cuda(0));
+      nn::Qwen3Model model(step_config(moe), {comm->device(), DType::bf16});
+      model.init_random(5, 0.02f);
+      Policy sh(std::move(model), *comm);
+      const Counts c = count_steps(sh, 0, *comm, max_grad_norm);
+      INFO("over " << kCounted << " steps: " << c.device_allocs << " device, " << c.host_allocs << " host, "
+                   << c.pinned_allocs << " pinned allocations, " << c.host_syncs << " host waits");
+      CHECK(c.device_allocs == 0);
+      CHECK(c.host_allocs == 0);
+      CHECK(c.pinned_allocs == 0);
+      CHECK(c.host_syncs == 0);
+    }
+  }
+}
+
+TEST_CASE("the clip on the device reads the host's grad_norm bit for bit and skips a NaN step", "[fsdp][gpu]") {
+  if (cuda_device_count() == 0) SKIP("no CUDA device");
+  for (const bool moe : {false, true}) {
+    INFO((moe ? "Qwen3-MoE" : "dense Qwen3"));
     const auto comm = comm::NcclComm::init_rank(comm::NcclComm::unique_id(), 0, 1, Device::cuda(0));
     nn::Qwen3Model model(step_config(moe), {comm->device(), DType::bf16});
     model.init_random(5, 0.02f);
     Policy sh(std::move(model), *comm);
-    const Counts c = count_steps(sh, 0, *comm);
-    INFO("over " << kCounted << " steps: " << c.device_allocs << " device, " << c.host_allocs << " host, "
-                 << c.pinned_allocs << " pinned allocations, " << c.host_syncs << " host waits");
-    CHECK(c.device_allocs == 0);
-    CHECK(c.host_allocs == 0);
-    CHECK(c.pinned_allocs == 0);
-    CHECK(c.host_syncs == 0);
+    const Device dev = sh.device();
+    const nn::PackedBatch batch = nn::make_packed_batch({{1, 5, 9, 200, 7}, {3, 4, 900}}, dev);
+    const Tensor tgt = Tensor::from_vector(std::vector<int32_t>{5, 9, 200, 7, 1, 4, 900, 3}, {8}, dev);
+    Tensor grad_lp = Tensor::from_vector(std::vector<float>(8, -0.125f), {8}, dev);
+    const Stream s = Stream::create(dev);
+    Stream::default_for(dev).synchronize();
+    auto backward = [&] {
+      Policy::Context ctx;
+      sh.zero_grad(s);
+      const Tensor hidden = sh.forward(batch, ctx, s);
+      const ops::TokenLogprobs lp = sh.token_logprobs(ctx, hidden, tgt, 1.f, s);
+      sh.backward(ctx, sh.token_logprobs_backward(ctx, hidden, tgt, 1.f, lp, grad_lp, Tensor{}, s), s);
+    };
+    for (int step = 0; step < 2; ++step) {
+      backward();
+      const double host_norm = sh.grad_norm(s);
+      const optim::PendingNorm pending = sh.queue_optimizer_step(1e-3, 1e-3, s);
+      REQUIRE(pending.has_value());
+      CHECK(pending.get() == host_norm);
+      CHECK(host_norm > 0);
+    }
+    // A NaN gradient: the device skips the update; optimizer_step throws and keeps the step count.
+    auto masters = [&] {
+      std::vector<std::vector<float>> m;
+      sh.for_each_local_shard([&](const parallel::LocalShard& l) { m.push_back(l.master.to_vector<float>(s)); });
+      return m;
+    };
+    std::vector<float> bad(8, -0.125f);
+    bad[3] = std::numeric_limits<float>::quiet_NaN();
+    grad_lp.copy_from(Tensor::from_vector(bad, {8}), s);
+    backward();
+    const auto before = masters();
+    const int64_t steps = sh.optimizer().step_count();
+    REQUIRE_THROWS_WITH(sh.optimizer_step(1e-3, 1.0, s), Catch::Matchers::ContainsSubstring("update was not applied"));
+    CHECK(sh.optimizer().step_count() == steps);
+    CHECK(masters() == before);
   }
 }
 

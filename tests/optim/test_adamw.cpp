@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -208,6 +209,43 @@ TEST_CASE("AdamW grad_scale multiplies the gradient and param_copy is the rounde
       }
     }
   }
+}
+
+TEST_CASE("AdamW device_grad_scale multiplies grad_scale; a non-finite one skips the update", "[optim][adamw]") {
+  const int64_t n = 37;
+  std::vector<float> p0(n), g(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p0[std::size_t(i)] = std::sin(0.3f * float(i)) * 2.f;
+    g[std::size_t(i)] = std::cos(0.7f * float(i)) * 3.f;
+  }
+  auto fresh = [&] {
+    return AdamWTensors{Tensor::from_vector(p0, {n}), Tensor::from_vector(g, {n}), Tensor::zeros({n}, DType::f32),
+                        Tensor::zeros({n}, DType::f32), Tensor::empty({n}, DType::bf16)};
+  };
+  const float factor = 0.3183f;  // not a power of two: the product rounds
+  AdamWTensors host = fresh(), dev = fresh();
+  const Tensor scale = Tensor::from_vector(std::vector<float>{factor}, {1});
+  for (int64_t step = 1; step <= 3; ++step) {
+    adamw_step({&host, 1}, AdamWConfig{}, 1e-2, step, 0.5f * factor);
+    adamw_step({&dev, 1}, AdamWConfig{}, 1e-2, step, 0.5f, {}, scale);
+  }
+  REQUIRE(dev.param.to_vector<float>() == host.param.to_vector<float>());
+  REQUIRE(dev.exp_avg_sq.to_vector<float>() == host.exp_avg_sq.to_vector<float>());
+
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    AdamWTensors t = fresh();
+    t.param_copy.fill_bytes_(0x5a);
+    const Tensor skip = Tensor::from_vector(std::vector<float>{bad}, {1});
+    adamw_step({&t, 1}, AdamWConfig{}, 1e-2, 1, 1.f, {}, skip);
+    REQUIRE(t.param.to_vector<float>() == p0);
+    REQUIRE(t.exp_avg.to_vector<float>() == std::vector<float>(std::size_t(n), 0.f));
+    REQUIRE(t.param_copy.data<BFloat16>()[0].bits == 0x5a5a);
+  }
+  AdamWTensors t = fresh();
+  REQUIRE_THROWS_WITH(adamw_step({&t, 1}, AdamWConfig{}, 1e-2, 1, 1.f, {}, Tensor::zeros({2}, DType::f32)),
+                      ContainsSubstring("device_grad_scale must be one f32 value"));
+  REQUIRE_THROWS_WITH(adamw_step({&t, 1}, AdamWConfig{}, 1e-2, 1, 1.f, {}, Tensor::zeros({1}, DType::bf16)),
+                      ContainsSubstring("device_grad_scale must be f32"));
 }
 
 TEST_CASE("AdamW weight decay is decoupled and skipped at weight_decay 0", "[optim][adamw]") {

@@ -5,6 +5,7 @@
 #include <catch2/matchers/catch_matchers_floating_point.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -173,4 +174,64 @@ TEST_CASE("clip coefficient is torch's max_norm / (norm + 1e-6) capped at 1", "[
   REQUIRE_THROWS_WITH(clip_coefficient(1.0, 0.0), ContainsSubstring("max_norm must be finite and > 0"));
   REQUIRE_THROWS_WITH(clip_coefficient(1.0, INFINITY), ContainsSubstring("max_norm must be finite and > 0"));
   REQUIRE_THROWS_WITH(clip_coefficient(-1.0, 1.0), ContainsSubstring("negative norm"));
+}
+
+TEST_CASE("clip_factor leaves global_grad_norm and clip_coefficient in tensors; NaN for a non-finite norm",
+          "[optim][grad_clip]") {
+  const auto values = grad_values();
+  std::vector<Tensor> grads;
+  for (const auto& v : values) grads.push_back(Tensor::from_vector(v, {int64_t(v.size())}));
+  const auto norm_of = [](const ClipBuffers& b) { return *static_cast<const double*>(b.norm.data_ptr()); };
+  ClipBuffers b;
+  for (double max_norm : {0.5, 1e9}) {
+    const Tensor& factor = clip_factor(std::array{NormGroup{grads, nullptr}}, max_norm, Device::cpu(), {}, b);
+    const double want = global_grad_norm(grads);
+    REQUIRE(norm_of(b) == want);
+    REQUIRE(factor.to_vector<float>()[0] == clip_coefficient(want, max_norm));
+  }
+  REQUIRE(b.factor.to_vector<float>()[0] == 1.f);  // max_norm 1e9: no clipping
+
+  // Two groups over their own ranks: √(n0² + n1²) of the per-group norms, as Sharded adds them.
+  comm::run_local_ranks(2, [&](comm::Comm& c) {
+    std::vector<Tensor> dense{grads[std::size_t(c.rank())]}, expert{grads[2 + std::size_t(c.rank())]};
+    ClipBuffers mine;
+    const Tensor& factor =
+        clip_factor(std::array{NormGroup{dense, &c}, NormGroup{expert, &c}}, 0.25, Device::cpu(), {}, mine);
+    const double d = global_grad_norm(dense, &c), e = global_grad_norm(expert, &c);
+    const double want = std::sqrt(d * d + e * e);
+    CHECK(norm_of(mine) == want);
+    CHECK(factor.to_vector<float>()[0] == clip_coefficient(want, 0.25));
+  });
+
+  grads[1].data<float>()[0] = std::numeric_limits<float>::infinity();
+  const Tensor& factor = clip_factor(std::array{NormGroup{grads, nullptr}}, 1.0, Device::cpu(), {}, b);
+  REQUIRE(std::isinf(norm_of(b)));
+  REQUIRE(std::isnan(factor.to_vector<float>()[0]));
+
+  REQUIRE_THROWS_WITH(clip_factor(std::array{NormGroup{grads, nullptr}}, 0.0, Device::cpu(), {}, b),
+                      ContainsSubstring("max_norm must be finite and > 0"));
+  REQUIRE_THROWS_WITH(clip_factor(std::span<const NormGroup>{}, 1.0, Device::cpu(), {}, b),
+                      ContainsSubstring("1 or 2 gradient groups"));
+  const std::vector<Tensor> bf16{Tensor::zeros({3}, DType::bf16)};
+  REQUIRE_THROWS_WITH(clip_factor(std::array{NormGroup{bf16, nullptr}}, 1.0, Device::cpu(), {}, b),
+                      ContainsSubstring("groups[0].grads[0] must be f32"));
+}
+
+TEST_CASE("PendingNorm reads the published norm; its pool reuses slots no PendingNorm holds", "[optim][grad_clip]") {
+  PendingNormPool pool;
+  Tensor norm = Tensor::empty({1}, DType::i64);
+  auto set = [&](double v) { *static_cast<double*>(norm.data_ptr()) = v; };
+  set(2.5);
+  PendingNorm a = pool.publish(norm, {});
+  set(7.0);
+  PendingNorm b = pool.publish(norm, {});  // a is alive: a second slot
+  REQUIRE(a.get() == 2.5);
+  REQUIRE(b.get() == 7.0);
+  a = PendingNorm();
+  set(1.0);
+  const PendingNorm c = pool.publish(norm, {});  // reuses a's slot
+  REQUIRE(c.get() == 1.0);
+  REQUIRE(b.get() == 7.0);
+  REQUIRE_FALSE(a.has_value());
+  REQUIRE_THROWS_WITH(a.get(), ContainsSubstring("did not clip"));
 }

@@ -19,6 +19,7 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -226,4 +227,90 @@ TEST_CASE("global grad norm on the GPU: multi-tensor, deterministic, NaN reporte
   std::vector<Tensor> empty = {Tensor::empty({0}, DType::f32, gpu())};
   CHECK(global_grad_norm(empty) == 0);
   REQUIRE_THROWS_WITH(global_grad_norm(std::vector<Tensor>{dev[0], host[1]}), ContainsSubstring("grads[1]"));
+}
+
+TEST_CASE("clip_factor on the GPU equals the host's norm and factor bit for bit; AdamW reads it there",
+          "[optim][grad_clip][gpu]") {
+  REQUIRE_GPU();
+  const std::vector<int64_t> sizes = test_sizes();
+  std::vector<Tensor> dev;
+  uint64_t seed = 1900;
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    dev.push_back(randn(sizes[i], gpu(), ++seed, i % 4 == 0 ? 10.f : 0.01f, i % 5 == 3));
+  const auto norm_of = [](const ClipBuffers& b) {
+    double v = 0;
+    const Tensor h = b.norm.to(Device::cpu());
+    std::memcpy(&v, h.data_ptr(), sizeof v);
+    return v;
+  };
+  const Stream s = Stream::create(gpu());
+  ClipBuffers b;
+  for (double max_norm : {1.0, 1e9}) {
+    const Tensor& factor = clip_factor(std::array{NormGroup{dev, nullptr}}, max_norm, gpu(), s, b);
+    const double want = global_grad_norm(dev, nullptr, s);
+    CHECK(norm_of(b) == want);
+    CHECK(factor.to_vector<float>(s)[0] == clip_coefficient(want, max_norm));
+  }
+
+  // Two groups over 2 LocalComm ranks on the GPU (fp32 all-reduced sums).
+  comm::run_local_ranks(
+      2,
+      [&](comm::Comm& c) {
+        std::vector<Tensor> dense, expert;
+        for (std::size_t i = std::size_t(c.rank()); i < dev.size(); i += 2) (i % 3 ? dense : expert).push_back(dev[i]);
+        ClipBuffers mine;
+        const Tensor& factor =
+            clip_factor(std::array{NormGroup{dense, &c}, NormGroup{expert, &c}}, 0.5, c.device(), {}, mine);
+        const double d = global_grad_norm(dense, &c), e = global_grad_norm(expert, &c);
+        const double want = std::sqrt(d * d + e * e);
+        CHECK(norm_of(mine) == want);
+        CHECK(factor.to_vector<float>()[0] == clip_coefficient(want, 0.5));
+      },
+      comm::kLocalCommTimeout, gpu());
+
+  // AdamW with the factor on the device equals AdamW with the host's float factor.
+  const Tensor& factor = clip_factor(std::array{NormGroup{dev, nullptr}}, 1.0, gpu(), s, b);
+  const float host_factor = clip_coefficient(global_grad_norm(dev, nullptr, s), 1.0);
+  REQUIRE(host_factor < 1.f);
+  auto fresh = [&](uint64_t k) {
+    std::vector<AdamWTensors> t;
+    for (std::size_t i = 0; i < 12; ++i) {
+      Tensor copy = Tensor::empty({sizes[i]}, DType::bf16, gpu());
+      copy.fill_bytes_(0xff);
+      t.push_back({randn(sizes[i], gpu(), 7000 + k * 100 + i, 1.f), dev[i],
+                   Tensor::zeros({sizes[i]}, DType::f32, gpu()), Tensor::zeros({sizes[i]}, DType::f32, gpu()), copy});
+    }
+    return t;
+  };
+  std::vector<AdamWTensors> on_host = fresh(1), on_device = fresh(1);
+  for (int64_t step = 1; step <= 2; ++step) {
+    adamw_step(on_host, AdamWConfig{}, 1e-3, step, host_factor, s);
+    adamw_step(on_device, AdamWConfig{}, 1e-3, step, 1.f, s, factor);
+  }
+  for (std::size_t i = 0; i < on_host.size(); ++i) {
+    INFO("tensor " << i);
+    CHECK(same_bits(on_host[i].param, on_device[i].param));
+    CHECK(same_bits(on_host[i].exp_avg_sq, on_device[i].exp_avg_sq));
+    CHECK(same_bits(on_host[i].param_copy, on_device[i].param_copy));
+  }
+
+  // A NaN gradient: a NaN factor, and the update skipped on the device.
+  std::vector<float> v = dev[3].to_vector<float>();
+  v[0] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<Tensor> with_nan = dev;
+  with_nan[3] = Tensor::from_vector(v, dev[3].shape(), gpu());
+  const Tensor& nan_factor = clip_factor(std::array{NormGroup{with_nan, nullptr}}, 1.0, gpu(), s, b);
+  CHECK(std::isnan(norm_of(b)));
+  CHECK(std::isnan(nan_factor.to_vector<float>(s)[0]));
+  std::vector<AdamWTensors> skipped = fresh(2);
+  std::vector<AdamWTensors> skipped_before;
+  for (const AdamWTensors& t : skipped) skipped_before.push_back(to_cpu(t));
+  adamw_step(skipped, AdamWConfig{}, 1e-3, 1, 1.f, s, nan_factor);
+  for (std::size_t i = 0; i < skipped.size(); ++i) {
+    CHECK(same_bits(skipped[i].param, skipped_before[i].param));
+    CHECK(same_bits(skipped[i].exp_avg, skipped_before[i].exp_avg));
+    CHECK(same_bits(skipped[i].param_copy, skipped_before[i].param_copy));
+  }
+  REQUIRE_THROWS_WITH(adamw_step(skipped, AdamWConfig{}, 1e-3, 1, 1.f, s, nan_factor.to(Device::cpu())),
+                      ContainsSubstring("device_grad_scale must be one f32 value on cuda:0"));
 }

@@ -161,13 +161,29 @@ inline void check_adamw_group(const AdamWTensors& t, std::size_t i, Device devic
 // `step`. All tensors on one device; on CUDA the update is ordered on
 // `stream` (the device's default stream when `stream` is the CPU stream).
 // Groups must not share memory with each other (not checked across groups).
+//
+// device_grad_scale (optional): an f32 [1] tensor on the parameters' device
+// (clip_factor's factor) that multiplies grad_scale where the update runs,
+// so a GPU step needs no host wait for it; when its value is not finite the
+// update is skipped (every tensor keeps its value).
 inline void adamw_step(std::span<const AdamWTensors> tensors, const AdamWConfig& cfg, double lr, int64_t step,
-                       float grad_scale = 1.f, [[maybe_unused]] const Stream& stream = {}) {
-  const AdamWCoefficients k = adamw_coefficients(cfg, lr, step, grad_scale);
+                       float grad_scale = 1.f, [[maybe_unused]] const Stream& stream = {},
+                       const Tensor& device_grad_scale = {}) {
+  AdamWCoefficients k = adamw_coefficients(cfg, lr, step, grad_scale);
   if (tensors.empty()) return;
   SLIME_CHECK(tensors[0].param.defined(), "adamw_step: tensors[0].param is undefined");
   const Device device = tensors[0].param.device();
   for (std::size_t i = 0; i < tensors.size(); ++i) detail::check_adamw_group(tensors[i], i, device);
+  if (device_grad_scale.defined()) {
+    check_dtype(device_grad_scale, DType::f32, "adamw_step: device_grad_scale");
+    SLIME_CHECK(device_grad_scale.numel() == 1 && device_grad_scale.device() == device,
+                "adamw_step: device_grad_scale must be one f32 value on ", device, ", got ", device_grad_scale.str());
+    if (device.is_cpu()) {
+      const float f = device_grad_scale.data<float>()[0];
+      if (!std::isfinite(f)) return;
+      k.grad_scale = double(grad_scale * f);
+    }
+  }
   if (device.is_cuda()) {
 #if SLIME_HAS_CUDA
     const Stream s = ops::detail::memops::stream_for(device, stream, "adamw_step");
@@ -178,9 +194,15 @@ inline void adamw_step(std::span<const AdamWTensors> tensors, const AdamWConfig&
       args.push_back({t.param.data<float>(), t.grad.data<float>(), t.exp_avg.data<float>(), t.exp_avg_sq.data<float>(),
                       t.param_copy.defined() ? t.param_copy.data_ptr() : nullptr,
                       t.param_copy.defined() ? t.param_copy.dtype() : DType::f32, t.param.numel()});
-    const cuda::AdamWScalars s32{
-        float(k.decay),     float(k.lerp_weight),           float(k.beta2), float(k.one_minus_beta2),
-        float(k.step_size), float(k.bias_correction2_sqrt), float(k.eps),   float(k.grad_scale)};
+    const cuda::AdamWScalars s32{float(k.decay),
+                                 float(k.lerp_weight),
+                                 float(k.beta2),
+                                 float(k.one_minus_beta2),
+                                 float(k.step_size),
+                                 float(k.bias_correction2_sqrt),
+                                 float(k.eps),
+                                 float(k.grad_scale),
+                                 device_grad_scale.defined() ? device_grad_scale.data<float>() : nullptr};
     cuda::adamw_multi_tensor(args, s32, s.handle());
     return;
 #else
@@ -238,10 +260,12 @@ class AdamW {
   }
 
   // One update with learning rate `lr`; param_copies is empty or one bf16/f32
-  // tensor per param (written from the updated param). The step counter
+  // tensor per param (written from the updated param); device_grad_scale as
+  // adamw_step's (a skipped update still counts as a step). The step counter
   // advances only when the update was queued.
   void step(std::span<const Tensor> params, std::span<const Tensor> grads, double lr, float grad_scale = 1.f,
-            std::span<const Tensor> param_copies = {}, const Stream& stream = {}) {
+            std::span<const Tensor> param_copies = {}, const Stream& stream = {},
+            const Tensor& device_grad_scale = {}) {
     SLIME_CHECK(grads.size() == params.size(), "AdamW::step: ", params.size(), " params but ", grads.size(), " grads");
     SLIME_CHECK(param_copies.empty() || param_copies.size() == params.size(), "AdamW::step: ", params.size(),
                 " params but ", param_copies.size(), " param_copies (give none or one per param)");
@@ -250,7 +274,7 @@ class AdamW {
     for (std::size_t i = 0; i < params.size(); ++i)
       groups_[i] = {params[i], grads[i], exp_avg_[i], exp_avg_sq_[i],
                     param_copies.empty() ? Tensor() : param_copies[i]};
-    adamw_step(groups_, cfg_, lr, step_ + 1, grad_scale, stream);
+    adamw_step(groups_, cfg_, lr, step_ + 1, grad_scale, stream, device_grad_scale);
     for (AdamWTensors& g : groups_) g = {};  // hold no references between steps
     ++step_;
   }

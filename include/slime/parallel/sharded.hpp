@@ -338,6 +338,7 @@ class Sharded {
     if constexpr (requires(Module & m) { m.for_each_workspace([](Tensor&) {}); }) nn::release_workspaces(module());
     buffers_.clear();
     norm_buffers_ = {};
+    clip_ = {};
     comm_stream_.synchronize();  // the frees done: the pool can hand the memory to any stream
     transfer_bytes_ = bytes;
     offloaded_ = true;
@@ -369,14 +370,19 @@ class Sharded {
   // them again.
   int64_t cached_buffer_bytes() const {
     int64_t n = buffers_.bytes();
-    for (const Tensor* t : {&norm_buffers_.workspace, &norm_buffers_.sum, &norm_buffers_.host_sum})
+    for (const optim::GradNormBuffers* b : {&norm_buffers_, &clip_.groups[0], &clip_.groups[1]})
+      for (const Tensor* t : {&b->workspace, &b->sum, &b->host_sum})
+        if (t->defined()) n += int64_t(t->nbytes());
+    for (const Tensor* t : {&clip_.sums, &clip_.norm, &clip_.factor})
       if (t->defined()) n += int64_t(t->nbytes());
     return n;
   }
   void release_buffers() {
     comm_stream_.synchronize();  // their last uses are done: the pool can hand the memory to any stream
+    last_stream_.synchronize();
     buffers_.clear();
     norm_buffers_ = {};
+    clip_ = {};
   }
   // Bytes the last offload copied to the host (onload copies them back).
   std::size_t offload_transfer_bytes() const { return transfer_bytes_; }
@@ -582,13 +588,37 @@ class Sharded {
 
   // AdamW on the master shards (refreshing the compute shards). With
   // max_grad_norm > 0 the gradients are first scaled by
-  // clip_coefficient(global norm, max_grad_norm); returns that norm.
+  // clip_coefficient(global norm, max_grad_norm); returns that norm (a host
+  // wait on the GPU: queue_optimizer_step has none). A norm that is not
+  // finite throws, the parameters and the step count unchanged.
   std::optional<double> optimizer_step(double lr, double max_grad_norm = 0, const Stream& stream = {}) {
+    const optim::PendingNorm pending = queue_optimizer_step(lr, max_grad_norm, stream);
+    if (!pending.has_value()) return std::nullopt;
+    const double norm = pending.get();
+    if (!std::isfinite(norm)) {
+      optimizer_.set_step_count(optimizer_.step_count() - 1);
+      SLIME_FAIL("Sharded::optimizer_step: the gradient norm is ", norm,
+                 " (a NaN or inf gradient): the update was not applied; skip this step instead of clipping");
+    }
+    return norm;
+  }
+
+  // optimizer_step without a host wait on the GPU: the clip factor is
+  // computed on the device (optim::clip_factor) and AdamW reads it there;
+  // the norm is read when the caller asks the returned PendingNorm (empty
+  // without clipping). A norm that is not finite skips the update (the
+  // parameters and moments keep their values; the step count advances, as
+  // a skipped step). cpu_offload runs its AdamW on the host, so it waits
+  // there as optimizer_step does.
+  optim::PendingNorm queue_optimizer_step(double lr, double max_grad_norm = 0, const Stream& stream = {}) {
     check_trains("optimizer_step");
     check_onloaded("optimizer_step");
     const Stream s = compute_stream(stream);
     SLIME_CHECK(micro_batch_ == 0, "Sharded::optimizer_step after ", micro_batch_, " of ", micro_batches_,
                 " micro-batches: the gradients are not reduced yet (set_micro_batches)");
+    SLIME_CHECK(max_grad_norm == 0 || (std::isfinite(max_grad_norm) && max_grad_norm > 0),
+                "Sharded::optimizer_step: max_grad_norm must be 0 (no clipping) or finite and > 0, got ",
+                max_grad_norm);
     wait_for_reductions(s);
     // Gathered parameters go stale with the update.
     for (std::size_t i = 0; i < units_.size(); ++i) release_gathered(i, s);
@@ -599,13 +629,21 @@ class Sharded {
       params.push_back(u.master);
       if (separate_compute_) copies.push_back(u.compute);
     }
-    std::optional<double> norm;
-    float scale = 1.f;
-    if (max_grad_norm > 0) {
-      norm = global_norm(s);
-      scale = optim::clip_coefficient(*norm, max_grad_norm);
-    }
+    const bool clip = max_grad_norm > 0;
+    optim::PendingNorm pending;
     if (offload_) {
+      float scale = 1.f;
+      if (clip) {
+        const double norm = global_norm(s);
+        clip_.norm = reuse_buffer(clip_.norm, {1}, DType::i64, Device::cpu(), Stream{});
+        *static_cast<double*>(clip_.norm.data_ptr()) = norm;
+        pending = norm_slots_.publish(clip_.norm, Stream{});
+        if (!std::isfinite(norm)) {
+          optimizer_.set_step_count(optimizer_.step_count() + 1);  // skipped, as on the device
+          return pending;
+        }
+        scale = optim::clip_coefficient(norm, max_grad_norm);
+      }
       // Gradients to the host, the update on the CPU, the new compute values
       // back to the device. Before the CPU writes the staging shards, the
       // previous step's uploads from them must be done (they may have been
@@ -624,11 +662,15 @@ class Sharded {
       for (FlatParamGroup& u : units_)
         if (u.trainable) u.compute.copy_from(u.host_compute, s);
       params_uploaded_.record(s);
+    } else if (clip) {
+      const Tensor& factor = clip_factor(max_grad_norm, s);
+      pending = norm_slots_.publish(clip_.norm, s);
+      optimizer_.step(params, grads, lr, 1.f, copies, s, factor);
     } else {
-      optimizer_.step(params, grads, lr, scale, copies, s);
+      optimizer_.step(params, grads, lr, 1.f, copies, s);
     }
     params_updated_.record(s);
-    return norm;
+    return pending;
   }
 
   // ---- checkpoints ---------------------------------------------------------
@@ -994,6 +1036,20 @@ class Sharded {
     return all.view(0, e.shape);
   }
 
+  // optim::clip_factor over the trainable shards (see global_norm for the
+  // groups), into clip_.
+  const Tensor& clip_factor(double max_grad_norm, const Stream& s) {
+    const std::vector<Tensor> all = grad_shards();
+    if (!has_expert_units_ || expert_norm_comm_ == shard_comm_)
+      return optim::clip_factor(std::array{optim::NormGroup{all, shard_comm_}}, max_grad_norm, device_, s, clip_);
+    std::vector<Tensor> dense, expert;
+    for (const FlatParamGroup& u : units_)
+      if (u.trainable) (u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
+    return optim::clip_factor(
+        std::array{optim::NormGroup{dense, shard_comm_}, optim::NormGroup{expert, expert_norm_comm_}}, max_grad_norm,
+        device_, s, clip_);
+  }
+
   // The 2-norm of the gradient over all shards (see grad_norm).
   double global_norm(const Stream& s) {
     if (!has_expert_units_ || expert_norm_comm_ == shard_comm_)
@@ -1125,6 +1181,8 @@ class Sharded {
   Stream comm_stream_, last_stream_;
   BufferCache buffers_;  // gathered parameters, full gradients and staging, reused from step to step
   optim::GradNormBuffers norm_buffers_;
+  optim::ClipBuffers clip_;            // the clip factor on the device (queue_optimizer_step)
+  optim::PendingNormPool norm_slots_;  // the host copies of its norm
   Event grads_reduced_, params_updated_, grads_zeroed_;
   Event params_uploaded_;  // cpu_offload: the last uploads from the staging shards
   Event turn_;             // offload / onload: ordering between the caller's and the communication stream

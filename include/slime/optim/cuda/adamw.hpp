@@ -37,6 +37,10 @@ struct AdamWScalars {
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step)
   float eps;
   float grad_scale;
+  // Optional (nullptr: none): a device float the kernel multiplies grad_scale
+  // by (clip_factor_on_device's factor). When it is not finite the launch
+  // updates nothing: parameters, moments and copies keep their values.
+  const float* device_grad_scale = nullptr;
 };
 
 // One tensor group: fp32 param, grad, exp_avg, exp_avg_sq of `numel`
@@ -64,8 +68,26 @@ std::size_t sum_of_squares_workspace_bytes(std::span<const int64_t> numels);
 // sum_of_squares_workspace_bytes(numels) bytes, 8-byte aligned): fp32 partial
 // sums per chunk (a fixed tree per block), then one block adds the partials in
 // chunk order in fp64. Deterministic run to run; NaN and inf propagate.
+// With sum_f32, the sum is also written there rounded to fp32 (the value a
+// gradient norm all-reduces over ranks).
 void sum_of_squares_multi_tensor(std::span<const float* const> data, std::span<const int64_t> numels, void* workspace,
-                                 StreamHandle stream);
+                                 StreamHandle stream, float* sum_f32 = nullptr);
+// The sums of squares of 1 or 2 gradient groups on the device: group i's is
+// *f64[i] when given (one device's sum, no ranks), else f32[i] (all-reduced
+// over ranks in fp32).
+struct NormSums {
+  const float* f32[2] = {nullptr, nullptr};
+  const double* f64[2] = {nullptr, nullptr};
+  int count = 1;
+};
+// The global gradient norm and torch.nn.utils.clip_grad_norm_'s factor,
+// computed on the device in fp64 with the host's operations
+// (optim::global_grad_norm, optim::clip_coefficient): nᵢ = sqrt(sumᵢ),
+// norm = n₀ for one group, sqrt(n₀² + n₁²) for two (as Sharded adds a dense
+// and an expert norm); factor = min(1, max_norm / (norm + 1e-6)) rounded to
+// fp32, or NaN when the norm is not finite (adamw_multi_tensor then skips the
+// update). Writes *norm and *factor.
+void clip_factor_on_device(const NormSums& sums, double max_norm, double* norm, float* factor, StreamHandle stream);
 
 }  // namespace slime::optim::cuda
 #endif
