@@ -151,7 +151,7 @@ echo "slime gpu-test: $GPUS GPU(s), $JOBS cores, budget ${BUDGET_S}s, output in 
 
 # ---- configure and build --------------------------------------------------------
 step configure 120 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DSLIME_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90a
+  -DSLIME_BUILD_GPU_TESTS=ON -DCMAKE_CUDA_ARCHITECTURES=90a
 # -k 0: build every target that can be built, so one broken file does not
 # keep the other tests from running.
 if [[ -n ${SLIME_GPU_TEST_TARGETS:-} ]]; then

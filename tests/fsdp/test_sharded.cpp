@@ -710,7 +710,7 @@ TEST_CASE("Sharded::loss_and_backward with a kept Context equals a fresh one and
   CHECK(fresh_allocs.back() > 10 * kept_allocs.back());
 }
 
-TEST_CASE("Sharded::queue_optimizer_step clips as optimizer_step does; a NaN norm skips the update", "[fsdp]") {
+TEST_CASE("Sharded::queue_optimizer_step clips as optimizer_step does, and a NaN norm skips the update", "[fsdp]") {
   for (const bool moe : {false, true}) {
     INFO((moe ? "Qwen3-MoE" : "dense Qwen3"));
     comm::run_local_ranks(2, [&](comm::Comm& comm) {

@@ -211,7 +211,7 @@ TEST_CASE("AdamW grad_scale multiplies the gradient and param_copy is the rounde
   }
 }
 
-TEST_CASE("AdamW device_grad_scale multiplies grad_scale; a non-finite one skips the update", "[optim][adamw]") {
+TEST_CASE("AdamW device_grad_scale multiplies grad_scale, and a non-finite one skips the update", "[optim][adamw]") {
   const int64_t n = 37;
   std::vector<float> p0(n), g(n);
   for (int64_t i = 0; i < n; ++i) {

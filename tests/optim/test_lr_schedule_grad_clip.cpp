@@ -176,7 +176,7 @@ TEST_CASE("clip coefficient is torch's max_norm / (norm + 1e-6) capped at 1", "[
   REQUIRE_THROWS_WITH(clip_coefficient(-1.0, 1.0), ContainsSubstring("negative norm"));
 }
 
-TEST_CASE("clip_factor leaves global_grad_norm and clip_coefficient in tensors; NaN for a non-finite norm",
+TEST_CASE("clip_factor leaves global_grad_norm and clip_coefficient in tensors, NaN for a non-finite norm",
           "[optim][grad_clip]") {
   const auto values = grad_values();
   std::vector<Tensor> grads;
@@ -217,7 +217,7 @@ TEST_CASE("clip_factor leaves global_grad_norm and clip_coefficient in tensors; 
                       ContainsSubstring("groups[0].grads[0] must be f32"));
 }
 
-TEST_CASE("PendingNorm reads the published norm; its pool reuses slots no PendingNorm holds", "[optim][grad_clip]") {
+TEST_CASE("PendingNorm reads the published norm, and its pool reuses slots no PendingNorm holds", "[optim][grad_clip]") {
   PendingNormPool pool;
   Tensor norm = Tensor::empty({1}, DType::i64);
   auto set = [&](double v) { *static_cast<double*>(norm.data_ptr()) = v; };

@@ -229,7 +229,7 @@ TEST_CASE("global grad norm on the GPU: multi-tensor, deterministic, NaN reporte
   REQUIRE_THROWS_WITH(global_grad_norm(std::vector<Tensor>{dev[0], host[1]}), ContainsSubstring("grads[1]"));
 }
 
-TEST_CASE("clip_factor on the GPU equals the host's norm and factor bit for bit; AdamW reads it there",
+TEST_CASE("clip_factor on the GPU equals the host's norm and factor bit for bit, and AdamW reads it there",
           "[optim][grad_clip][gpu]") {
   REQUIRE_GPU();
   const std::vector<int64_t> sizes = test_sizes();
