@@ -58,6 +58,9 @@ def main():
     ap.add_argument("--tool", default="memcheck", choices=["memcheck", "racecheck", "synccheck", "initcheck"])
     ap.add_argument("--label", default="^gpu$")
     ap.add_argument("--regex", default="")
+    ap.add_argument("--kernels", default="",
+                    help="only check kernels whose name contains this (compute-sanitizer --kernel-name kns=...), "
+                         "e.g. 'slime' for the project's own kernels (namespace slime) and not cuBLAS's")
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per test")
     ap.add_argument("--budget", type=int, default=540, help="seconds for the whole run")
@@ -90,6 +93,8 @@ def main():
         limit = min(args.timeout, left)
         log = log_path(out_dir, test["name"])
         cmd = [sanitizer, "--tool", args.tool, "--error-exitcode", "9"]
+        if args.kernels:
+            cmd += ["--kernel-name", "kns=" + args.kernels]
         if args.tool == "memcheck":
             cmd += ["--leak-check", "no", "--report-api-errors", args.api_errors]
         cmd += test["command"]
