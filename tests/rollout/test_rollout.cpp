@@ -185,6 +185,69 @@ TEST_CASE("a completion does not depend on the batch it runs in", "[rollout]") {
   require_same(all, rev);
 }
 
+// Issue 19: decode runs (EngineConfig::decode_steps: several steps per read
+// of the host) give the completions of one step at a time, bit for bit:
+// stop tokens inside a run, different lengths, the context's end, requests
+// waiting for a slot, greedy and sampled rows; a request at another
+// temperature makes its batch take single steps.
+TEST_CASE("decode runs of several steps equal one step at a time", "[rollout]") {
+  for (const bool moe : {false, true}) {
+    INFO((moe ? "Qwen3-MoE" : "dense Qwen3"));
+    nn::Qwen3Model model = moe ? tiny_moe_model() : tiny_model();
+    std::vector<rollout::Request> rs;
+    for (int i = 0; i < 7; ++i) {
+      rollout::Request r;
+      r.prompt = prompt_of(2 + 3 * i, i);
+      r.sample_id = uint64_t(40 + i);
+      r.sampling.temperature = i % 3 == 0 ? 0.f : 1.f;
+      r.sampling.max_new_tokens = 5 + 4 * i;
+      if (i % 2 == 1) r.sampling.stop_tokens = {int32_t(i), int32_t(7 + i), 30};
+      rs.push_back(r);
+    }
+    auto run = [&](int64_t decode_steps, int64_t max_batch) {
+      rollout::Engine e(model, {.max_batch = max_batch,
+                                .max_context = 30,
+                                .kv_capacity = 0,
+                                .seed = 9,
+                                .record_routing = false,
+                                .decode_steps = decode_steps});
+      auto out = e.generate(rs);
+      return std::make_pair(out, e.stats());
+    };
+    const auto [one, one_stats] = run(1, 3);
+    CHECK(one_stats.decode_runs == 0);
+    int stopped = 0, at_context = 0;
+    for (std::size_t i = 0; i < rs.size(); ++i) {
+      stopped += one[i].finish == rollout::FinishReason::stop;
+      at_context += int64_t(rs[i].prompt.size() + one[i].tokens.size()) == 30;
+    }
+    CHECK(stopped > 0);     // some stop tokens were sampled
+    CHECK(at_context > 0);  // and some sequences ran into the context's end
+    for (int64_t steps : {2, 3, 8, 64}) {
+      for (int64_t max_batch : {3, 8}) {
+        INFO("decode_steps " << steps << ", max_batch " << max_batch);
+        const auto [many, stats] = run(steps, max_batch);
+        require_same(one, many);
+        CHECK(stats.decode_runs > 0);
+        CHECK(stats.decode_run_steps > stats.decode_runs);
+        CHECK(stats.steps + stats.decode_runs < one_stats.steps);  // fewer reads of the host
+      }
+    }
+    // A second temperature in the batch: single steps while it runs beside
+    // the others (the longest, it ends alone, in runs), the same completions.
+    const auto [same_temperature, same_stats] = run(8, 8);
+    rs[2].sampling.temperature = 0.7f;
+    rs[2].sampling.max_new_tokens = 100;
+    const auto [mixed_one, mixed_one_stats] = run(1, 8);
+    const auto [mixed, mixed_stats] = run(8, 8);
+    require_same(mixed_one, mixed);
+    CHECK(mixed_stats.steps > same_stats.steps);
+    CHECK(mixed[2].tokens.size() == 22);  // to the context's end, past every other request
+    REQUIRE_THROWS_WITH(rollout::Engine(model, {.max_batch = 2, .decode_steps = 0}),
+                        ContainsSubstring("decode_steps must be >= 1"));
+  }
+}
+
 TEST_CASE("the seed keys the samples", "[rollout]") {
   nn::Qwen3Model model = tiny_model();
   const auto requests = some_requests();

@@ -6,9 +6,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "slime/comm/nccl_comm.hpp"
+#include "slime/core/host_sync.hpp"
 #include "slime/core/memory.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/ops/index_rows.hpp"
@@ -151,6 +153,41 @@ TEST_CASE("CUDA engine: the trainer's recompute of the sampled tokens' logprobs"
       (long long)n, max_diff, sum_diff / double(n), (long long)exact);
   CHECK(n > 200);
   CHECK(max_diff < 0.05);  // bf16 activations: hidden rounding differences between the two paths
+}
+
+// Issue 19: decode runs on the GPU wait on the host once per run, not once
+// per step, and give the completions of single steps (equal lengths, no stop
+// tokens: every step has the same batch either way, so the same kernels).
+TEST_CASE("CUDA engine: decode runs wait on the host once per run and equal single steps", "[rollout][gpu]") {
+  if (cuda_device_count() == 0) SKIP("no CUDA device");
+  nn::Qwen3Model m = gpu_model(3);
+  std::vector<rollout::Request> reqs = requests(6, 33);
+  for (auto& r : reqs) r.sampling.max_new_tokens = 33;
+  auto run = [&](int64_t decode_steps) {
+    rollout::Engine e(m, {.max_batch = 8,
+                          .max_context = 160,
+                          .kv_capacity = 0,
+                          .seed = 4,
+                          .record_routing = false,
+                          .decode_steps = decode_steps});
+    e.generate(reqs);  // sizes the buffers
+    Stream::default_for(Device::cuda(0)).synchronize();
+    const int64_t before = host_sync_count();
+    auto out = e.generate(reqs);
+    const int64_t waits = host_sync_count() - before;
+    return std::make_tuple(out, waits, e.stats());
+  };
+  const auto [one, one_waits, one_stats] = run(1);
+  const auto [eight, eight_waits, eight_stats] = run(8);
+  std::printf("engine host waits for 6 x 33 tokens: %lld one step at a time, %lld with decode runs of 8\n",
+              (long long)one_waits, (long long)eight_waits);
+  for (std::size_t i = 0; i < reqs.size(); ++i) {
+    INFO("request " << i);
+    REQUIRE(one[i].tokens == eight[i].tokens);
+    REQUIRE(std::memcmp(one[i].logprobs.data(), eight[i].logprobs.data(), one[i].logprobs.size() * 4) == 0);
+  }
+  CHECK(eight_stats.decode_runs == 2 * 4);  // per generate: the prefill step, then 32 decode steps in 4 runs
+  CHECK(eight_waits * 4 <= one_waits);
 }
 
 TEST_CASE("CUDA colocated weight sync is bitwise, offload cycles do not grow memory", "[rollout][gpu]") {

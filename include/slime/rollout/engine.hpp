@@ -1,7 +1,9 @@
 // slime/rollout/engine.hpp: Engine, batched generation for Qwen3 with the
 // trainer's own kernels (true on-policy): prefill through the packed
 // attention, decode against a KV cache (rollout/kv_arena.hpp), continuous
-// batching (finished sequences leave, waiting ones join at every step).
+// batching (finished sequences leave, waiting ones join at every step, or
+// after every decode run: EngineConfig::decode_steps runs several decode
+// steps per read of the host, their tokens fed forward on the device).
 //
 // A step runs the model once over every running sequence's new tokens (a
 // newly admitted sequence's whole prompt, or a decoding sequence's last
@@ -60,6 +62,7 @@
 #include <deque>
 #include <initializer_list>
 #include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,6 +88,16 @@ struct EngineConfig {
   // MoE models: record the experts every input token went to
   // (Completion::routing), for rollout routing replay in the trainer.
   bool record_routing = false;
+  // Decode steps per wait of the host for the GPU (issue 19): when every
+  // running sequence decodes (one new token each, one temperature, sampling
+  // on the device, no routing recorded), up to this many steps run back to
+  // back, each feeding its sampled tokens to the next on the device, and the
+  // host reads the run's tokens and logprobs once at its end. A sequence that
+  // stops inside a run decodes on to the run's end and those tokens are
+  // dropped; waiting requests join after the run. Completions are the same
+  // as with 1 (one step at a time): sampling is keyed by token index, and
+  // each row's ops do not depend on the batch (bit for bit on the CPU).
+  int64_t decode_steps = 8;
 };
 
 struct Request {
@@ -100,6 +113,15 @@ struct Request {
 };
 
 enum class FinishReason : uint8_t { stop, length, error };
+
+// What an engine ran, since it was built: single steps (prefill, mixed or
+// filtered batches, decode_steps 1) and decode runs (EngineConfig::
+// decode_steps); the host reads results back once per step or run.
+struct EngineStats {
+  int64_t steps = 0;             // single steps
+  int64_t decode_runs = 0;       // runs of several decode steps
+  int64_t decode_run_steps = 0;  // the steps inside them
+};
 
 struct Completion {
   uint64_t sample_id = 0;
@@ -131,6 +153,7 @@ class Engine {
   }
 
   const EngineConfig& config() const { return cfg_; }
+  const EngineStats& stats() const { return stats_; }
   // The language model (a text-only engine's whole model).
   nn::Qwen3Model& model() { return *model_; }
   // The Qwen3-VL model, or nullptr for a text-only engine.
@@ -168,7 +191,14 @@ class Engine {
     while (!waiting.empty() || !running.empty()) {
       admit(requests, prompt_positions, waiting, running, out);
       if (running.empty()) continue;  // everything left failed to fit
-      step(requests, running, out, stream);
+      if (const int64_t n = decode_run_length(requests, running, out); n > 1) {
+        decode_run(requests, running, out, n, stream);
+        ++stats_.decode_runs;
+        stats_.decode_run_steps += n;
+      } else {
+        step(requests, running, out, stream);
+        ++stats_.steps;
+      }
       // Finished sequences leave; their regions return to the arena.
       std::vector<Running> still;
       for (Running& r : running) {
@@ -230,6 +260,7 @@ class Engine {
     if (cfg_.max_context <= 0) cfg_.max_context = c.max_position_embeddings;
     SLIME_CHECK(cfg_.max_batch >= 1, "Engine: max_batch must be >= 1, got ", cfg_.max_batch);
     SLIME_CHECK(cfg_.max_context >= 2, "Engine: max_context must be >= 2, got ", cfg_.max_context);
+    SLIME_CHECK(cfg_.decode_steps >= 1, "Engine: decode_steps must be >= 1, got ", cfg_.decode_steps);
     if (cfg_.kv_capacity <= 0) cfg_.kv_capacity = cfg_.max_batch * cfg_.max_context;
     SLIME_CHECK(cfg_.kv_capacity <= int64_t(INT32_MAX), "Engine: kv_capacity ", cfg_.kv_capacity,
                 " rows does not fit the i32 cu_seqlens");
@@ -451,23 +482,173 @@ class Engine {
           for (const std::vector<int32_t>& ids : routing)
             done.routing.insert(done.routing.end(), ids.begin() + row * k, ids.begin() + (row + 1) * k);
       }
-      r.cached += int64_t(r.pending.size());
-      r.prompt_positions.clear();
-      const int32_t t = sampled[std::size_t(b)];
-      done.tokens.push_back(t);
-      done.logprobs.push_back(lp[std::size_t(b)]);
-      r.pending.assign(1, t);
-      const auto& stops = req.sampling.stop_tokens;
-      if (std::find(stops.begin(), stops.end(), t) != stops.end()) {
-        r.done = true;
-        done.finish = FinishReason::stop;
-      } else if (int64_t(done.tokens.size()) >= req.sampling.max_new_tokens ||
-                 int64_t(req.prompt.size() + done.tokens.size()) >= cfg_.max_context) {
-        r.done = true;
-        done.finish = FinishReason::length;
-      }
-      if (r.done) done.weight_version = weight_version_;
+      finish_token(req, r, done, sampled[std::size_t(b)], lp[std::size_t(b)]);
     }
+  }
+
+  // How many decode steps can run back to back now (EngineConfig::
+  // decode_steps); 1 or less: take one step. Every running sequence must be
+  // decoding (one pending token, its prompt done), sample at one temperature
+  // (0 counts as 1, as in step) and, on the GPU, on the device; no routing is
+  // recorded. The run is no longer than any sequence's remaining tokens, so
+  // no region overflows.
+  int64_t decode_run_length(const std::vector<Request>& requests, const std::vector<Running>& running,
+                            const std::vector<Completion>& out) const {
+    if (cfg_.decode_steps <= 1 || (cfg_.record_routing && !model_->sparse_layers().empty())) return 1;
+    const int64_t vocab = model_->config().vocab_size;
+    const bool gpu = model_->device().is_cuda();
+    int64_t n = cfg_.decode_steps;
+    std::optional<float> temperature;
+    for (const Running& r : running) {
+      const Request& req = requests[r.request];
+      if (r.pending.size() != 1 || !r.prompt_positions.empty() || r.cached == 0) return 1;
+      if (gpu && has_filter(req.sampling, vocab)) return 1;
+      const float t = req.sampling.temperature == 0.f ? 1.f : req.sampling.temperature;
+      if (temperature && *temperature != t) return 1;
+      temperature = t;
+      const int64_t made = int64_t(out[r.request].tokens.size());
+      n = std::min({n, req.sampling.max_new_tokens - made, cfg_.max_context - int64_t(req.prompt.size()) - made});
+    }
+    return n;
+  }
+
+  // `steps` decode steps of every running sequence with one wait of the host
+  // at the end (see EngineConfig::decode_steps): the steps' indices and the
+  // sampler's inputs do not depend on the sampled tokens, so they are
+  // computed here and go up in one copy each; step j's input tokens are step
+  // j - 1's sampled tokens on the device. Then the host walks the steps in
+  // order as step() would: a sequence that stopped keeps none of its later
+  // tokens.
+  void decode_run(const std::vector<Request>& requests, std::vector<Running>& running, std::vector<Completion>& out,
+                  int64_t steps, const Stream& stream) {
+    const auto& c = model_->config();
+    const Device dev = model_->device();
+    std::sort(running.begin(), running.end(), [](const Running& a, const Running& b) { return a.start < b.start; });
+    const bool mrope = c.uses_mrope();
+    const int64_t B = int64_t(running.size());
+    const float temperature = [&] {
+      const float t = requests[running[0].request].sampling.temperature;
+      return t == 0.f ? 1.f : t;
+    }();
+    // One i32 upload: [first tokens B | last rows B | per step: positions B or
+    // 3B, cu_q, cu_k, write_rows B]; the layouts differ from step to step
+    // (every sequence's keys grow by one, the gaps shrink).
+    std::vector<int32_t> idx;
+    for (const Running& r : running) idx.push_back(r.pending[0]);
+    for (int64_t b = 0; b < B; ++b) idx.push_back(int32_t(b));
+    struct StepIndex {
+      ArenaLayout layout;
+      int64_t positions, cu_q, cu_k, write_rows;  // offsets into the upload
+    };
+    std::vector<StepIndex> at(static_cast<std::size_t>(steps));
+    for (int64_t j = 0; j < steps; ++j) {
+      std::vector<ArenaSegment> segs;
+      for (const Running& r : running) segs.push_back({r.start, r.cached + j, 1});
+      StepIndex& a = at[std::size_t(j)];
+      a.layout = arena_layout(segs, arena_.capacity);
+      const ArenaLayout& lay = a.layout;
+      a.positions = int64_t(idx.size());
+      for (const Running& r : running) idx.insert(idx.end(), mrope ? 3u : 1u, int32_t(r.cached + j + r.position_delta));
+      a.cu_q = int64_t(idx.size());
+      idx.insert(idx.end(), lay.cu_q.begin(), lay.cu_q.end());
+      a.cu_k = int64_t(idx.size());
+      idx.insert(idx.end(), lay.cu_k.begin(), lay.cu_k.end());
+      a.write_rows = int64_t(idx.size());
+      idx.insert(idx.end(), lay.write_rows.begin(), lay.write_rows.end());
+    }
+    const Tensor uploaded = upload(idx, buffers_.indices, buffers_.indices_host, dev, stream);
+    const Tensor last_index = uploaded.view(B, Shape{B});
+    // The run's sampled tokens and logprobs, [steps, B] each.
+    const Tensor tokens = reuse_buffer(buffers_.run_tokens, {steps, B}, DType::i32, dev, stream);
+    const Tensor logprobs = reuse_buffer(buffers_.run_logprobs, {steps, B}, DType::f32, dev, stream);
+    // The device sampler's inputs for every step, one i64 upload:
+    // [keys B | per step: token indices B | temperatures (f32 bits, 2 per word)].
+    const bool device_sampling = dev.is_cuda();
+    Tensor sampler_inputs;
+    if (device_sampling) {
+      std::vector<int64_t> words;
+      for (const Running& r : running)
+        words.push_back(int64_t(sample_stream_key(cfg_.seed, requests[r.request].sample_id)));
+      for (int64_t j = 0; j < steps; ++j)
+        for (const Running& r : running) words.push_back(int64_t(out[r.request].tokens.size()) + j);
+      std::vector<float> temps;
+      for (const Running& r : running) temps.push_back(requests[r.request].sampling.temperature);
+      const std::size_t t0 = words.size();
+      words.resize(t0 + std::size_t((B + 1) / 2), 0);
+      std::memcpy(words.data() + t0, temps.data(), temps.size() * sizeof(float));
+      sampler_inputs = upload(words, buffers_.sampling, buffers_.sampling_host, dev, stream);
+    }
+
+    nn::Qwen3Model::Context& ctx = buffers_.ctx;
+    ctx.record_routing = false;
+    nn::NoHooks no_hooks;
+    for (int64_t j = 0; j < steps; ++j) {
+      const StepIndex& a = at[std::size_t(j)];
+      nn::PackedBatch batch;
+      batch.tokens = j == 0 ? uploaded.view(0, Shape{B}) : tokens.view((j - 1) * B, Shape{B});
+      batch.positions = uploaded.view(a.positions, mrope ? Shape{B, 3} : Shape{B});
+      const int64_t n_cu = int64_t(a.layout.cu_q.size());
+      batch.cu_seqlens_host = a.layout.cu_q;
+      batch.cu_seqlens = uploaded.view(a.cu_q, Shape{n_cu});
+      batch.max_seqlen = a.layout.max_q;
+      const Tensor cu_k = uploaded.view(a.cu_k, Shape{n_cu});
+      const Tensor write_rows = uploaded.view(a.write_rows, Shape{B});
+      const Tensor hidden =
+          model_->forward(batch, ctx, stream, no_hooks, arena_.source(a.layout, write_rows, cu_k), {});
+      const Tensor last = reuse_buffer(buffers_.last, {B, c.hidden_size}, model_->dtype(), dev, stream);
+      ops::gather_rows(hidden, last_index, last, stream);
+      const Tensor logits = model_->logits(ctx, last, stream);
+      Tensor sampled = tokens.view(j * B, Shape{B});
+      if (device_sampling) {
+#if SLIME_HAS_CUDA
+        DeviceGuard guard(dev);
+        const int64_t* w = sampler_inputs.data<int64_t>();
+        cuda::sample_rows(logits.data<float>(), B, c.vocab_size, reinterpret_cast<const uint64_t*>(w), w + B + j * B,
+                          reinterpret_cast<const float*>(w + B + steps * B), sampled.data<int32_t>(),
+                          (stream.device() == dev ? stream : Stream::default_for(dev)).handle());
+#endif
+      } else {
+        const float* l = logits.data<float>();
+        for (int64_t b = 0; b < B; ++b) {
+          const Running& r = running[std::size_t(b)];
+          const Request& req = requests[r.request];
+          sampled.data<int32_t>()[b] = sample_token(l + b * c.vocab_size, c.vocab_size, req.sampling, cfg_.seed,
+                                                    req.sample_id, int64_t(out[r.request].tokens.size()) + j, scratch_);
+        }
+      }
+      const ops::TokenLogprobs res = model_->token_logprobs(ctx, last, sampled, temperature, stream);
+      logprobs.view(j * B, Shape{B}).copy_from(res.logprobs, stream);
+    }
+    // The one wait of the run.
+    const std::vector<int32_t> sampled = tokens.to_vector<int32_t>(stream);
+    const std::vector<float> lp = logprobs.to_vector<float>(stream);
+    for (int64_t j = 0; j < steps; ++j)
+      for (int64_t b = 0; b < B; ++b) {
+        Running& r = running[std::size_t(b)];
+        if (r.done) continue;
+        finish_token(requests[r.request], r, out[r.request], sampled[std::size_t(j * B + b)],
+                     lp[std::size_t(j * B + b)]);
+      }
+  }
+
+  // A sequence's new token: appended with its logprob; the sequence stops at
+  // a stop token, at max_new_tokens or at the context's end.
+  void finish_token(const Request& req, Running& r, Completion& done, int32_t t, float lp) {
+    r.cached += int64_t(r.pending.size());
+    r.prompt_positions.clear();
+    done.tokens.push_back(t);
+    done.logprobs.push_back(lp);
+    r.pending.assign(1, t);
+    const auto& stops = req.sampling.stop_tokens;
+    if (std::find(stops.begin(), stops.end(), t) != stops.end()) {
+      r.done = true;
+      done.finish = FinishReason::stop;
+    } else if (int64_t(done.tokens.size()) >= req.sampling.max_new_tokens ||
+               int64_t(req.prompt.size() + done.tokens.size()) >= cfg_.max_context) {
+      r.done = true;
+      done.finish = FinishReason::length;
+    }
+    if (r.done) done.weight_version = weight_version_;
   }
 
   // The tower over the images of `prompts` (requests, in the step's row
@@ -562,11 +743,12 @@ class Engine {
   // What a step writes, kept from one step to the next (issue 19: a decode
   // step allocates nothing once they are sized); freed with the KV arena.
   struct StepBuffers {
-    nn::Qwen3Model::Context ctx;     // activations; the LM head's logits and logprobs
-    Tensor indices, indices_host;    // the step's uploaded indices (see step)
-    Tensor last;                     // the hidden rows of each sequence's last token
-    Tensor sampling, sampling_host;  // the device sampler's keys, steps and temperatures
-    Tensor sampled;                  // the sampled tokens
+    nn::Qwen3Model::Context ctx;      // activations; the LM head's logits and logprobs
+    Tensor indices, indices_host;     // the step's uploaded indices (see step)
+    Tensor last;                      // the hidden rows of each sequence's last token
+    Tensor sampling, sampling_host;   // the device sampler's keys, steps and temperatures
+    Tensor sampled;                   // the sampled tokens
+    Tensor run_tokens, run_logprobs;  // a decode run's sampled tokens and logprobs [steps, B]
   };
 
   nn::Qwen3Model* model_;
@@ -577,6 +759,7 @@ class Engine {
   int64_t weight_version_ = 0;
   std::vector<int32_t> scratch_;
   StepBuffers buffers_;
+  EngineStats stats_;
   nn::ParameterOffload weights_offload_;
 };
 
