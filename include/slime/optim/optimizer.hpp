@@ -10,11 +10,14 @@
 //   O::state_per_param        k: state tensors per parameter tensor
 //   init_state(params, s)     allocates the state of `params` (zeros) when it
 //                             has none, else checks it matches them
-//   step(params, grads, lr, grad_scale, copies, s)
+//   step(params, grads, lr, grad_scale, copies, s, device_grad_scale)
 //                             one update (ordered on s for device tensors;
 //                             host tensors run the CPU reference, which rounds
 //                             as the device kernel does); copies: empty or one
-//                             tensor per param written from the updated value
+//                             tensor per param written from the updated value;
+//                             device_grad_scale: undefined, or an f32 [1] on the
+//                             params' device multiplying grad_scale there (the
+//                             clip factor), whose non-finite value skips the update
 //   state_tensors()           k * params.size() (name, tensor) handles sharing
 //                             the state's storage, entries [k i, k i + k)
 //                             those of params[i], each shaped as params[i];
@@ -51,6 +54,7 @@ concept ShardOptimizer = std::constructible_from<O, typename O::Config> &&
   { O::state_per_param } -> std::convertible_to<std::size_t>;
   o.init_state(ts, s);
   o.step(ts, ts, lr, scale, ts, s);
+  o.step(ts, ts, lr, scale, ts, s, Tensor{});
   { o.state_tensors() } -> std::same_as<std::vector<std::pair<std::string, Tensor>>>;
   o.release_state();
   { co.step_count() } -> std::convertible_to<int64_t>;
@@ -71,7 +75,7 @@ class NoOptimizer {
 
   void init_state(std::span<const Tensor>, const Stream& = {}) {}
   void step(std::span<const Tensor>, std::span<const Tensor>, double, float = 1.f, std::span<const Tensor> = {},
-            const Stream& = {}) {
+            const Stream& = {}, const Tensor& = {}) {
     SLIME_FAIL("NoOptimizer::step: the model is frozen (optim::NoOptimizer): it takes no optimizer step");
   }
   std::vector<std::pair<std::string, Tensor>> state_tensors() { return {}; }
