@@ -570,6 +570,11 @@ struct Warp {
   uint32_t u[32][6];
   float f[32];
   const void* addr[32];
+  // mma: the warp's A [16][16] and B [16][8] fragments as floats, decoded
+  // once per mma by the first lane past its barrier (mma_built: that mma's
+  // number; mma_calls[lane]: how many each lane began).
+  float mma_a[16][16], mma_b[16][8];
+  long mma_built = 0, mma_calls[32] = {};
 };
 struct Cta {
   int threads = 0, arrived = 0;
@@ -691,14 +696,20 @@ inline void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
   w.u[lane][4] = b0;
   w.u[lane][5] = b1;
   sync_warp();
-  float A[16][16], B[16][8];
-  for (int l = 0; l < 32; ++l) {
-    const int g = l / 4, t = l % 4;
-    for (int i = 0; i < 8; ++i)
-      A[g + ((i / 2) % 2) * 8][2 * t + (i & 1) + (i >= 4 ? 8 : 0)] =
-          bf16_bits((w.u[l][i / 2] >> (16 * (i % 2))) & 0xffff);
-    for (int i = 0; i < 4; ++i)
-      B[2 * t + (i & 1) + (i >= 2 ? 8 : 0)][g] = bf16_bits((w.u[l][4 + i / 2] >> (16 * (i % 2))) & 0xffff);
+  // Every lane has written its registers; the first one here decodes the
+  // warp's fragments (the barrier at the end keeps them until all have read).
+  auto& A = w.mma_a;
+  auto& B = w.mma_b;
+  if (w.mma_built != ++w.mma_calls[lane]) {
+    w.mma_built = w.mma_calls[lane];
+    for (int l = 0; l < 32; ++l) {
+      const int g = l / 4, t = l % 4;
+      for (int i = 0; i < 8; ++i)
+        A[g + ((i / 2) % 2) * 8][2 * t + (i & 1) + (i >= 4 ? 8 : 0)] =
+            bf16_bits((w.u[l][i / 2] >> (16 * (i % 2))) & 0xffff);
+      for (int i = 0; i < 4; ++i)
+        B[2 * t + (i & 1) + (i >= 2 ? 8 : 0)][g] = bf16_bits((w.u[l][4 + i / 2] >> (16 * (i % 2))) & 0xffff);
+    }
   }
   const int g = lane / 4, t = lane % 4;
   for (int i = 0; i < 4; ++i) {
