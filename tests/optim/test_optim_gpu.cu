@@ -237,6 +237,7 @@ TEST_CASE("clip_factor on the GPU equals the host's norm and factor bit for bit,
   uint64_t seed = 1900;
   for (std::size_t i = 0; i < sizes.size(); ++i)
     dev.push_back(randn(sizes[i], gpu(), ++seed, i % 4 == 0 ? 10.f : 0.01f, i % 5 == 3));
+  Stream::default_for(gpu()).synchronize();  // filled on the default stream, read on s below
   const auto norm_of = [](const ClipBuffers& b) {
     double v = 0;
     const Tensor h = b.norm.to(Device::cpu());
@@ -283,6 +284,7 @@ TEST_CASE("clip_factor on the GPU equals the host's norm and factor bit for bit,
     return t;
   };
   std::vector<AdamWTensors> on_host = fresh(1), on_device = fresh(1);
+  Stream::default_for(gpu()).synchronize();  // the fills ran on the default stream, the steps run on s
   for (int64_t step = 1; step <= 2; ++step) {
     adamw_step(on_host, AdamWConfig{}, 1e-3, step, host_factor, s);
     adamw_step(on_device, AdamWConfig{}, 1e-3, step, 1.f, s, factor);
@@ -303,6 +305,7 @@ TEST_CASE("clip_factor on the GPU equals the host's norm and factor bit for bit,
   CHECK(std::isnan(norm_of(b)));
   CHECK(std::isnan(nan_factor.to_vector<float>(s)[0]));
   std::vector<AdamWTensors> skipped = fresh(2);
+  Stream::default_for(gpu()).synchronize();
   std::vector<AdamWTensors> skipped_before;
   for (const AdamWTensors& t : skipped) skipped_before.push_back(to_cpu(t));
   adamw_step(skipped, AdamWConfig{}, 1e-3, 1, 1.f, s, nan_factor);

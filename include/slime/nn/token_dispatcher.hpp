@@ -76,7 +76,7 @@ class LocalDispatcher {
     ops::MoeLayout layout_;
     Tensor y_rows_, weights_;  // combine's inputs, for combine_backward
     // Capacity of the layout's tensors and of dispatch's rows (see detail::rows_view).
-    Tensor counts_, offsets_, row_to_copy_, copy_to_row_, rows_;
+    Tensor counts_, offsets_, row_to_copy_, copy_to_row_, rows_, workspace_;
     mutable Tensor d_expert_out_, dweights_;  // combine_backward's (detail::context_buffer)
     std::vector<int64_t> no_counts_;
   };
@@ -101,6 +101,7 @@ class LocalDispatcher {
     l.offsets = detail::vec_view(h.offsets_, E + 1, DType::i32, dev, stream);
     l.row_to_copy = detail::vec_view(h.row_to_copy_, T * k, DType::i32, dev, stream);
     l.copy_to_row = detail::vec_view(h.copy_to_row_, T * k, DType::i32, dev, stream);
+    l.workspace = ops::moe_layout_workspace(h.workspace_, l, dev, stream);
     ops::moe_build_layout(indices, l, stream);
     const Tensor rows = detail::rows_view(h.rows_, T * k, H, x.dtype(), dev, stream);
     ops::moe_permute_forward(x, l, rows, stream);

@@ -109,6 +109,25 @@ struct MoeLayout {
   }
 };
 
+// The CUDA scratch moe_build_layout needs for `l`'s sizes, as a view of
+// `cache` (kept by the caller, grown when too small: a layout rebuilt every
+// step then allocates nothing once it is sized); undefined on the CPU, which
+// needs none. The view starts at the buffer's start (the pool's alignment,
+// at least the 256 bytes the CUDA path asks for).
+inline Tensor moe_layout_workspace(Tensor& cache, const MoeLayout& l, Device device, const Stream& stream = {}) {
+#if SLIME_HAS_CUDA
+  if (device.is_cuda()) {
+    const std::size_t bytes = cuda::moe_layout_workspace_bytes(l.tokens, l.topk, l.num_experts);
+    return reuse_buffer(cache, Shape{int64_t(std::max<std::size_t>(bytes, 1))}, DType::u8, device, stream);
+  }
+#endif
+  (void)cache;
+  (void)l;
+  (void)device;
+  (void)stream;
+  return Tensor{};
+}
+
 namespace detail::moe_permute {
 
 // The layout's tensors exist with the right shapes, dtype i32, one device;

@@ -156,13 +156,14 @@ class DispatchHandle {
   Tensor weights_;   // combine: the router weights [T, k]
   // Capacity caches (see detail::rows_view).
   Tensor counts_cache_, offsets_cache_, row_to_copy_cache_, copy_to_row_cache_, local_offsets_cache_;
-  Tensor all_counts_cache_;    // [ep·E] i32 on the device: the all_gather output
-  Tensor host_counts_cache_;   // [ep·E] i32 pinned (CUDA data only)
-  Tensor host_offsets_cache_;  // [E_local + 1] i32 pinned (CUDA data only)
-  Tensor send_cache_;          // [N, H]: permuted x, then (combine) the returned expert outputs
-  Tensor recv_cache_;          // [R, H]: rows in source-rank order
-  Tensor grouped_cache_;       // [R, H]: dispatch's output
-  Tensor y_cache_;             // [T, H']: combine's output when none is given
+  Tensor layout_workspace_cache_;  // moe_build_layout's CUDA scratch
+  Tensor all_counts_cache_;        // [ep·E] i32 on the device: the all_gather output
+  Tensor host_counts_cache_;       // [ep·E] i32 pinned (CUDA data only)
+  Tensor host_offsets_cache_;      // [E_local + 1] i32 pinned (CUDA data only)
+  Tensor send_cache_;              // [N, H]: permuted x, then (combine) the returned expert outputs
+  Tensor recv_cache_;              // [R, H]: rows in source-rank order
+  Tensor grouped_cache_;           // [R, H]: dispatch's output
+  Tensor y_cache_;                 // [T, H']: combine's output when none is given
 };
 
 // Models nn::TokenDispatcher (nn/token_dispatcher.hpp): a SparseMoeBlock
@@ -260,6 +261,7 @@ class ExpertParallel<dynamic_degree> {
     l.offsets = detail::vec_view(h.offsets_cache_, E + 1, DType::i32, dev, s);
     l.row_to_copy = detail::vec_view(h.row_to_copy_cache_, N, DType::i32, dev, s);
     l.copy_to_row = detail::vec_view(h.copy_to_row_cache_, N, DType::i32, dev, s);
+    l.workspace = ops::moe_layout_workspace(h.layout_workspace_cache_, l, dev, s);
     ops::moe_build_layout(indices, l, s);
     // 2. Permute into layout order.
     const Tensor send = detail::rows_view(h.send_cache_, N, H, x.dtype(), dev, s);
