@@ -1036,31 +1036,32 @@ class Sharded {
     return all.view(0, e.shape);
   }
 
-  // optim::clip_factor over the trainable shards (see global_norm for the
-  // groups), into clip_.
-  const Tensor& clip_factor(double max_grad_norm, const Stream& s) {
-    const std::vector<Tensor> all = grad_shards();
-    if (!has_expert_units_ || expert_norm_comm_ == shard_comm_)
-      return optim::clip_factor(std::array{optim::NormGroup{all, shard_comm_}}, max_grad_norm, device_, s, clip_);
-    std::vector<Tensor> dense, expert;
+  // The trainable gradient shards in their norm groups, viewing `dense` and
+  // `expert` (filled here): one group over the shard group, or, for NoShard
+  // with expert units, the dense gradients (replicated) over the shard group
+  // and the expert ones (different across ep) over ep.
+  std::vector<optim::NormGroup> norm_groups(std::vector<Tensor>& dense, std::vector<Tensor>& expert) const {
+    const bool split = has_expert_units_ && expert_norm_comm_ != shard_comm_;
     for (const FlatParamGroup& u : units_)
-      if (u.trainable) (u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
-    return optim::clip_factor(
-        std::array{optim::NormGroup{dense, shard_comm_}, optim::NormGroup{expert, expert_norm_comm_}}, max_grad_norm,
-        device_, s, clip_);
+      if (u.trainable) (split && u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
+    if (!split) return {optim::NormGroup{dense, shard_comm_}};
+    return {optim::NormGroup{dense, shard_comm_}, optim::NormGroup{expert, expert_norm_comm_}};
   }
 
-  // The 2-norm of the gradient over all shards (see grad_norm).
-  double global_norm(const Stream& s) {
-    if (!has_expert_units_ || expert_norm_comm_ == shard_comm_)
-      return optim::global_grad_norm(grad_shards(), shard_comm_, s, &norm_buffers_);
-    // NoShard with expert units: the dense gradients are replicated, the
-    // expert ones differ across ep.
+  // optim::clip_factor over the norm groups, into clip_.
+  const Tensor& clip_factor(double max_grad_norm, const Stream& s) {
     std::vector<Tensor> dense, expert;
-    for (const FlatParamGroup& u : units_)
-      if (u.trainable) (u.group == ShardGroup::expert ? expert : dense).push_back(u.grad_shard);
-    const double d = optim::global_grad_norm(dense, shard_comm_, s, &norm_buffers_);
-    const double e = optim::global_grad_norm(expert, expert_norm_comm_, s, &norm_buffers_);
+    return optim::clip_factor(norm_groups(dense, expert), max_grad_norm, device_, s, clip_);
+  }
+
+  // The 2-norm of the gradient over all shards (see grad_norm): √(n₀² + n₁²)
+  // over the norm groups.
+  double global_norm(const Stream& s) {
+    std::vector<Tensor> dense, expert;
+    const std::vector<optim::NormGroup> groups = norm_groups(dense, expert);
+    const double d = optim::global_grad_norm(groups[0].grads, groups[0].comm, s, &norm_buffers_);
+    if (groups.size() == 1) return d;
+    const double e = optim::global_grad_norm(groups[1].grads, groups[1].comm, s, &norm_buffers_);
     return std::sqrt(d * d + e * e);
   }
 

@@ -561,23 +561,12 @@ class Engine {
     // The run's sampled tokens and logprobs, [steps, B] each.
     const Tensor tokens = reuse_buffer(buffers_.run_tokens, {steps, B}, DType::i32, dev, stream);
     const Tensor logprobs = reuse_buffer(buffers_.run_logprobs, {steps, B}, DType::f32, dev, stream);
-    // The device sampler's inputs for every step, one i64 upload:
-    // [keys B | per step: token indices B | temperatures (f32 bits, 2 per word)].
+    // The device sampler's inputs for every step, one upload (sampler_words).
     const bool device_sampling = dev.is_cuda();
     Tensor sampler_inputs;
-    if (device_sampling) {
-      std::vector<int64_t> words;
-      for (const Running& r : running)
-        words.push_back(int64_t(sample_stream_key(cfg_.seed, requests[r.request].sample_id)));
-      for (int64_t j = 0; j < steps; ++j)
-        for (const Running& r : running) words.push_back(int64_t(out[r.request].tokens.size()) + j);
-      std::vector<float> temps;
-      for (const Running& r : running) temps.push_back(requests[r.request].sampling.temperature);
-      const std::size_t t0 = words.size();
-      words.resize(t0 + std::size_t((B + 1) / 2), 0);
-      std::memcpy(words.data() + t0, temps.data(), temps.size() * sizeof(float));
-      sampler_inputs = upload(words, buffers_.sampling, buffers_.sampling_host, dev, stream);
-    }
+    if (device_sampling)
+      sampler_inputs =
+          upload(sampler_words(requests, running, out, steps), buffers_.sampling, buffers_.sampling_host, dev, stream);
 
     nn::Qwen3Model::Context& ctx = buffers_.ctx;
     ctx.record_routing = false;
@@ -608,13 +597,7 @@ class Engine {
                           (stream.device() == dev ? stream : Stream::default_for(dev)).handle());
 #endif
       } else {
-        const float* l = logits.data<float>();
-        for (int64_t b = 0; b < B; ++b) {
-          const Running& r = running[std::size_t(b)];
-          const Request& req = requests[r.request];
-          sampled.data<int32_t>()[b] = sample_token(l + b * c.vocab_size, c.vocab_size, req.sampling, cfg_.seed,
-                                                    req.sample_id, int64_t(out[r.request].tokens.size()) + j, scratch_);
-        }
+        sample_on_host(requests, running, out, logits.data<float>(), c.vocab_size, j, sampled.data<int32_t>());
       }
       const ops::TokenLogprobs res = model_->token_logprobs(ctx, last, sampled, temperature, stream);
       logprobs.view(j * B, Shape{B}).copy_from(res.logprobs, stream);
@@ -692,16 +675,7 @@ class Engine {
     for (const Running& r : running) on_device = on_device && !has_filter(requests[r.request].sampling, V);
 #if SLIME_HAS_CUDA
     if (on_device) {
-      // One upload: [keys B | steps B | temperatures (f32 bits, 2 per word)].
-      std::vector<int64_t> words(std::size_t(2 * B + (B + 1) / 2), 0);
-      std::vector<float> temps;
-      for (std::size_t b = 0; b < running.size(); ++b) {
-        const Request& req = requests[running[b].request];
-        words[b] = int64_t(sample_stream_key(cfg_.seed, req.sample_id));  // the bits, read back as uint64_t
-        words[std::size_t(B) + b] = int64_t(out[running[b].request].tokens.size());
-        temps.push_back(req.sampling.temperature);
-      }
-      std::memcpy(words.data() + 2 * B, temps.data(), temps.size() * sizeof(float));
+      const std::vector<int64_t> words = sampler_words(requests, running, out, 1);
       const Device d = logits.device();
       const Tensor up = upload(words, buffers_.sampling, buffers_.sampling_host, d, stream);
       const Tensor tok = reuse_buffer(buffers_.sampled, {B}, DType::i32, d, stream);
@@ -714,16 +688,41 @@ class Engine {
     }
 #endif
     const std::vector<float> host = logits.to_vector<float>(stream);
-    std::vector<int32_t> sampled(static_cast<std::size_t>(B));
-    for (int64_t b = 0; b < B; ++b) {
-      const Running& r = running[std::size_t(b)];
-      const Request& req = requests[r.request];
-      sampled[std::size_t(b)] = sample_token(host.data() + b * V, V, req.sampling, cfg_.seed, req.sample_id,
-                                             int64_t(out[r.request].tokens.size()), scratch_);
-    }
     const Tensor tok = reuse_buffer(buffers_.sampled, {B}, DType::i32, Device::cpu(), Stream{});
-    std::memcpy(tok.data_ptr(), sampled.data(), sampled.size() * sizeof(int32_t));
+    sample_on_host(requests, running, out, host.data(), V, 0, tok.data<int32_t>());
     return tok;
+  }
+
+  // The device sampler's inputs for `steps` consecutive tokens of every
+  // running sequence, one i64 upload: [keys B | per step: token indices B |
+  // temperatures (f32 bits, 2 per word)].
+  std::vector<int64_t> sampler_words(const std::vector<Request>& requests, const std::vector<Running>& running,
+                                     const std::vector<Completion>& out, int64_t steps) const {
+    const std::size_t B = running.size();
+    std::vector<int64_t> words;
+    words.reserve(B * std::size_t(1 + steps) + (B + 1) / 2);
+    for (const Running& r : running)  // the bits, read back as uint64_t
+      words.push_back(int64_t(sample_stream_key(cfg_.seed, requests[r.request].sample_id)));
+    for (int64_t j = 0; j < steps; ++j)
+      for (const Running& r : running) words.push_back(int64_t(out[r.request].tokens.size()) + j);
+    std::vector<float> temps;
+    for (const Running& r : running) temps.push_back(requests[r.request].sampling.temperature);
+    const std::size_t t0 = words.size();
+    words.resize(t0 + (B + 1) / 2, 0);
+    std::memcpy(words.data() + t0, temps.data(), temps.size() * sizeof(float));
+    return words;
+  }
+
+  // Host sampling of every running sequence's token `ahead` tokens past its
+  // completion so far, from logits [B, V] f32 on the host, into tokens[B].
+  void sample_on_host(const std::vector<Request>& requests, const std::vector<Running>& running,
+                      const std::vector<Completion>& out, const float* logits, int64_t V, int64_t ahead,
+                      int32_t* tokens) {
+    for (std::size_t b = 0; b < running.size(); ++b) {
+      const Request& req = requests[running[b].request];
+      tokens[b] = sample_token(logits + int64_t(b) * V, V, req.sampling, cfg_.seed, req.sample_id,
+                               int64_t(out[running[b].request].tokens.size()) + ahead, scratch_);
+    }
   }
 
   // `values` as a 1-D tensor on `device`, through buffers kept across steps
