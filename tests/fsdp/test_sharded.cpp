@@ -11,8 +11,10 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -677,6 +679,8 @@ TEMPLATE_TEST_CASE("Sharded: a steady-state training step allocates nothing", "[
 TEST_CASE("Sharded::loss_and_backward with a kept Context equals a fresh one and reuses its buffers",
           "[fsdp][memory]") {
   constexpr int kRanks = 2, kSteps = 3, kMicroBatches = 2;
+  // Catch2's assertions are not thread-safe: the ranks record, the test checks.
+  std::atomic<int> non_finite{0};
   auto run = [&](bool kept, std::vector<int64_t>* allocations) {
     Params out;
     comm::run_local_ranks(kRanks, [&](comm::Comm& comm) {
@@ -691,7 +695,7 @@ TEST_CASE("Sharded::loss_and_backward with a kept Context equals a fresh one and
           for (const MicroBatch& mb : mbs) {
             const nn::LossResult r =
                 kept ? sh.loss_and_backward(ctx, mb.batch, mb.targets) : sh.loss_and_backward(mb.batch, mb.targets);
-            CHECK(std::isfinite(r.loss));
+            if (!std::isfinite(r.loss)) ++non_finite;
           }
           sh.optimizer_step(kLr);
         });
@@ -704,6 +708,7 @@ TEST_CASE("Sharded::loss_and_backward with a kept Context equals a fresh one and
   std::vector<int64_t> fresh_allocs, kept_allocs;
   const Params fresh = run(false, &fresh_allocs);
   CHECK(bitwise_equal(run(true, &kept_allocs), fresh));
+  CHECK(non_finite == 0);
   INFO("allocations per step: fresh " << fresh_allocs.back() << ", kept " << kept_allocs.back());
   // Per micro-batch and rank: the gradient of the logprobs (from_vector).
   CHECK(kept_allocs.back() == kRanks * kMicroBatches);
@@ -711,9 +716,18 @@ TEST_CASE("Sharded::loss_and_backward with a kept Context equals a fresh one and
 }
 
 TEST_CASE("Sharded::queue_optimizer_step clips as optimizer_step does, and a NaN norm skips the update", "[fsdp]") {
+  // What each rank saw (Catch2's assertions are not thread-safe: checked after the ranks).
+  struct Seen {
+    std::vector<double> sync_norms, queued_norms;
+    bool same_masters = false, no_norm_unclipped = false, nan_throws = false, nan_masters_kept = false;
+    bool queued_nan = false, queued_masters_kept = false, bad_max_throws = false;
+    int64_t host_steps = 0, queued_steps = 0;
+  };
   for (const bool moe : {false, true}) {
     INFO((moe ? "Qwen3-MoE" : "dense Qwen3"));
+    std::vector<Seen> seen(2);
     comm::run_local_ranks(2, [&](comm::Comm& comm) {
+      Seen& me = seen[std::size_t(comm.rank())];
       Sharded<nn::Qwen3Model, FullShard> host(make_model(tiny_config(false, moe)), comm);
       Sharded<nn::Qwen3Model, FullShard> queued(make_model(tiny_config(false, moe)), comm);
       auto masters = [](auto& sh) {
@@ -732,26 +746,45 @@ TEST_CASE("Sharded::queue_optimizer_step clips as optimizer_step does, and a NaN
       for (int step = 0; step < 3; ++step) {
         backward(host, step, false);
         backward(queued, step, false);
-        const double norm = *host.optimizer_step(kLr, 0.05);  // every step clips
+        me.sync_norms.push_back(*host.optimizer_step(kLr, 0.05));  // every step clips
         const optim::PendingNorm pending = queued.queue_optimizer_step(kLr, 0.05);
-        REQUIRE(pending.has_value());
-        CHECK(pending.get() == norm);
+        me.queued_norms.push_back(pending.has_value() ? pending.get() : -1.0);
       }
-      CHECK(masters(host) == masters(queued));
-      CHECK_FALSE(queued.queue_optimizer_step(kLr).has_value());  // no clipping, no norm
-      CHECK_FALSE(host.optimizer_step(kLr).has_value());
+      me.same_masters = masters(host) == masters(queued);
+      me.no_norm_unclipped = !queued.queue_optimizer_step(kLr).has_value() && !host.optimizer_step(kLr).has_value();
 
       backward(host, 3, true);
       backward(queued, 3, true);
       const auto before = masters(host);
-      CHECK_THROWS_WITH(host.optimizer_step(kLr, 1.0), ContainsSubstring("update was not applied"));
-      CHECK(host.optimizer().step_count() == 4);
-      CHECK(masters(host) == before);
+      try {
+        host.optimizer_step(kLr, 1.0);
+      } catch (const Error& e) {
+        me.nan_throws = std::string(e.what()).find("update was not applied") != std::string::npos;
+      }
+      me.host_steps = host.optimizer().step_count();
+      me.nan_masters_kept = masters(host) == before;
       const optim::PendingNorm pending = queued.queue_optimizer_step(kLr, 1.0);
-      CHECK(std::isnan(pending.get()));
-      CHECK(queued.optimizer().step_count() == 5);  // a skipped step counts
-      CHECK(masters(queued) == before);
-      CHECK_THROWS_WITH(queued.queue_optimizer_step(kLr, -1.0), ContainsSubstring("max_grad_norm must be 0"));
+      me.queued_nan = std::isnan(pending.get());
+      me.queued_steps = queued.optimizer().step_count();
+      me.queued_masters_kept = masters(queued) == before;
+      try {
+        queued.queue_optimizer_step(kLr, -1.0);
+      } catch (const Error& e) {
+        me.bad_max_throws = std::string(e.what()).find("max_grad_norm must be 0") != std::string::npos;
+      }
     });
+    for (const Seen& me : seen) {
+      REQUIRE(me.sync_norms.size() == 3);
+      CHECK(me.queued_norms == me.sync_norms);
+      CHECK(me.same_masters);
+      CHECK(me.no_norm_unclipped);  // no clipping, no norm
+      CHECK(me.nan_throws);
+      CHECK(me.host_steps == 4);
+      CHECK(me.nan_masters_kept);
+      CHECK(me.queued_nan);
+      CHECK(me.queued_steps == 5);  // a skipped step counts
+      CHECK(me.queued_masters_kept);
+      CHECK(me.bad_max_throws);
+    }
   }
 }
