@@ -58,6 +58,9 @@ bench_cap() {
     grouped_gemm) echo 150 ;;
     # 3 repetitions x (warm-up + 20 timed steps) per row, each building its model.
     fsdp) echo 150 ;;
+    # fwd, bwd and fwd+bwd over every shape of bench/torch_attention.py, both
+    # backward modes; 90 s was too short on an H100.
+    attention) echo 150 ;;
     *) echo 90 ;;
   esac
 }
