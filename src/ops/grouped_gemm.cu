@@ -128,9 +128,10 @@ struct KernelParams {
   const bf16* a;
   const bf16* b;
   void* c;
-  const int32_t* offsets;
+  const int32_t* offsets;  // null: one group of all rows
   int experts, rows, out_f, in_f;
   int m_tiles, n_tiles;  // backward_weight: per expert; others: n-tiles per m-tile
+  int64_t ldc;           // forward / backward_input: the row pitch of c
   bool accumulate;
 };
 
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_gemm_k
     const int per_expert = p.m_tiles * p.n_tiles;
     const int e = int(blockIdx.x) / per_expert, local = int(blockIdx.x) % per_expert;
     const int m_tile = local / p.n_tiles, n_tile = local % p.n_tiles;
-    const int r0 = p.offsets[e], r1 = p.offsets[e + 1];
+    const int r0 = group_offset(p.offsets, e, p.rows), r1 = group_offset(p.offsets, e + 1, p.rows);
     if (tid == 0 && (r0 < 0 || r1 < r0 || r1 > p.rows || (e == 0 && r0 != 0) || (e == p.experts - 1 && r1 != p.rows)))
       offsets_trap("offsets out of order or not ending at the row count", e, r0, r1);
     if (r1 <= r0) return;
@@ -218,7 +219,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_gemm_k
       ldb = p.in_f;
       n_valid = p.out_f - n0;
       k_len = p.in_f;
-      ldc = p.out_f;
+      ldc = p.ldc;
     } else {
       gA = p.a + row * p.out_f;  // dy [rows, out]
       lda = p.out_f;
@@ -226,7 +227,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) grouped_gemm_k
       ldb = p.in_f;
       n_valid = p.in_f - n0;
       k_len = p.out_f;
-      ldc = p.in_f;
+      ldc = p.ldc;
     }
     gC = static_cast<TOut*>(p.c) + row * ldc + n0;
   }
@@ -333,7 +334,8 @@ __device__ __forceinline__ void store_f(bf16* p, float v) { *p = __float2bfloat1
 
 // The group of row r: the last e with offsets[e] <= r (offsets[e + 1] > r).
 __device__ __forceinline__ int group_of(const int32_t* offsets, int experts, int64_t r) {
-  int lo = 0, hi = experts;  // offsets[lo] <= r < offsets[hi]
+  if (offsets == nullptr) return 0;  // one group of all rows
+  int lo = 0, hi = experts;          // offsets[lo] <= r < offsets[hi]
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
     if (offsets[mid] <= r) {
@@ -349,7 +351,7 @@ __device__ __forceinline__ int group_of(const int32_t* offsets, int experts, int
 template <Pass kPass, class T, class TOut>
 __global__ void grouped_gemm_simple_kernel(const T* __restrict__ a, const T* __restrict__ b, TOut* c,
                                            const int32_t* __restrict__ offsets, int experts, int64_t rows,
-                                           int64_t out_f, int64_t in_f, bool accumulate) {
+                                           int64_t out_f, int64_t in_f, int64_t ldc, bool accumulate) {
   const int64_t total = kPass == Pass::forward          ? rows * out_f
                         : kPass == Pass::backward_input ? rows * in_f
                                                         : int64_t(experts) * out_f * in_f;
@@ -360,17 +362,19 @@ __global__ void grouped_gemm_simple_kernel(const T* __restrict__ a, const T* __r
       const T* x = a + r * in_f;
       const T* w = b + (int64_t(group_of(offsets, experts, r)) * out_f + n) * in_f;
       for (int64_t k = 0; k < in_f; ++k) s = fmaf(load_f(x + k), load_f(w + k), s);
-      store_f(c + i, s);
+      store_f(c + r * ldc + n, s);
     } else if constexpr (kPass == Pass::backward_input) {
       const int64_t r = i / in_f, k = i % in_f;
       const T* dy = a + r * out_f;
       const T* w = b + int64_t(group_of(offsets, experts, r)) * out_f * in_f + k;
       for (int64_t n = 0; n < out_f; ++n) s = fmaf(load_f(dy + n), load_f(w + n * in_f), s);
-      store_f(c + i, accumulate ? load_f(c + i) + s : s);
+      TOut* out = c + r * ldc + k;
+      store_f(out, accumulate ? load_f(out) + s : s);
     } else {
       const int64_t e = i / (out_f * in_f), n = (i / in_f) % out_f, k = i % in_f;
       // Clamped, so that broken offsets cannot read out of bounds.
-      const int64_t r0 = max(int64_t(offsets[e]), int64_t(0)), r1 = min(int64_t(offsets[e + 1]), rows);
+      const int64_t r0 = max(int64_t(group_offset(offsets, int(e), int(rows))), int64_t(0)),
+                    r1 = min(int64_t(group_offset(offsets, int(e) + 1, int(rows))), rows);
       for (int64_t r = r0; r < r1; ++r) s = fmaf(load_f(a + r * out_f + n), load_f(b + r * in_f + k), s);
       store_f(c + i, load_f(c + i) + s);
     }
@@ -381,8 +385,34 @@ __global__ void grouped_gemm_simple_kernel(const T* __restrict__ a, const T* __r
 
 bool tensor_core_ok(const GroupedGemmParams& p) {
   auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  // Rows of c start 16-byte aligned (paired stores, TMA strides).
+  const bool pitch_ok = grouped_gemm_output_pitch(p) * int64_t(dtype_size(p.out_dtype)) % 16 == 0;
   return p.in_dtype == DType::bf16 && p.out_features % 8 == 0 && p.in_features % 8 == 0 && aligned(p.a) &&
-         aligned(p.b) && aligned(p.c);
+         aligned(p.b) && aligned(p.c) && pitch_ok;
+}
+
+// c[r, j] *= alpha for the [rows, cols] block of pitch ldc (GroupedGemmParams::alpha).
+template <class T>
+__global__ void scale_rows_kernel(T* c, int64_t rows, int64_t cols, int64_t ldc, float alpha) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    T* q = c + (i / cols) * ldc + i % cols;
+    store_f(q, load_f(q) * alpha);
+  }
+}
+
+void scale_output(const GroupedGemmParams& p, cudaStream_t stream) {
+  const int64_t total = p.rows * p.out_features;
+  if (total == 0) return;
+  constexpr int kThreads = 256;
+  const unsigned blocks = unsigned(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535 * 16));
+  const int64_t ldc = grouped_gemm_output_pitch(p);
+  if (p.out_dtype == DType::f32) {
+    scale_rows_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<float*>(p.c), p.rows, p.out_features, ldc, p.alpha);
+  } else {
+    scale_rows_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<bf16*>(p.c), p.rows, p.out_features, ldc, p.alpha);
+  }
+  SLIME_CUDA_CHECK_LAUNCH();
 }
 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
@@ -399,6 +429,7 @@ void launch_tiles(const GroupedGemmParams& p, cudaStream_t stream) {
   kp.out_f = int(p.out_features);
   kp.in_f = int(p.in_features);
   kp.accumulate = p.accumulate;
+  kp.ldc = grouped_gemm_output_pitch(p);
   int64_t ctas;
   if constexpr (kPass == Pass::backward_weight) {
     kp.m_tiles = ceil_div(p.out_features, Cfg::kBM);
@@ -425,9 +456,9 @@ void launch_simple(const GroupedGemmParams& p, cudaStream_t stream) {
   if (total == 0) return;
   constexpr int kThreads = 256;
   const unsigned blocks = unsigned(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535 * 16));
-  grouped_gemm_simple_kernel<kPass, T, TOut>
-      <<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(p.a), static_cast<const T*>(p.b), static_cast<TOut*>(p.c),
-                                        p.offsets, int(p.experts), p.rows, p.out_features, p.in_features, p.accumulate);
+  grouped_gemm_simple_kernel<kPass, T, TOut><<<blocks, kThreads, 0, stream>>>(
+      static_cast<const T*>(p.a), static_cast<const T*>(p.b), static_cast<TOut*>(p.c), p.offsets, int(p.experts),
+      p.rows, p.out_features, p.in_features, grouped_gemm_output_pitch(p), p.accumulate);
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
@@ -503,18 +534,10 @@ bool is_sm90_tile(GroupedGemmTile t) {
 
 bool grouped_gemm_tile_supported(GroupedGemmTile tile) { return !is_sm90_tile(tile) || grouped_gemm_sm90_device(); }
 
-void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream) {
-  SLIME_CHECK(p.in_dtype == DType::bf16 || p.in_dtype == DType::f32, "grouped_gemm: inputs must be bf16 or f32, got ",
-              dtype_name(p.in_dtype));
-  SLIME_CHECK(p.out_dtype == p.in_dtype || p.out_dtype == DType::f32, "grouped_gemm: output must be ",
-              dtype_name(p.in_dtype), " or f32, got ", dtype_name(p.out_dtype));
-  SLIME_CHECK(p.pass != Pass::backward_weight || p.out_dtype == DType::f32, "grouped_gemm: dw must be f32");
-  SLIME_CHECK(p.experts >= 1 && p.experts < INT_MAX && p.rows >= 0 && p.rows < INT_MAX && p.out_features >= 0 &&
-                  p.out_features < INT_MAX - 256 && p.in_features >= 0 && p.in_features < INT_MAX - 256,
-              "grouped_gemm: sizes must fit in int32 (experts ", p.experts, ", rows ", p.rows, ", out ", p.out_features,
-              ", in ", p.in_features, ")");
-  if (p.host_offsets != nullptr) check_grouped_gemm_host_offsets(p.host_offsets, p.experts, p.rows);
-  if (grouped_gemm_backend_for(p) == GroupedGemmBackend::cublas) return grouped_gemm_cublas(p, stream);
+namespace {
+
+// The kernels' part of grouped_gemm (after its checks).
+void run_kernels(const GroupedGemmParams& p, StreamHandle stream) {
   GroupedGemmTile tile = grouped_gemm_tile_for(p);
   SLIME_CHECK(tile == GroupedGemmTile::simple || tensor_core_ok(p), "grouped_gemm: tile ", grouped_gemm_tile_name(tile),
               " needs bf16 inputs, in and out features multiples of 8 and 16-byte aligned pointers");
@@ -526,7 +549,8 @@ void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream) {
     if (is_sm90_tile(tile)) tile = GroupedGemmTile::m128n128k32;  // zeros: nothing for TMA to load
   }
   if (is_sm90_tile(tile)) {
-    SLIME_CHECK(grouped_gemm_sm90_fits(tile, p.experts, p.out_dtype), "grouped_gemm: tile ", grouped_gemm_tile_name(tile),
+    SLIME_CHECK(grouped_gemm_sm90_fits(tile, p.experts, p.out_dtype), "grouped_gemm: tile ",
+                grouped_gemm_tile_name(tile),
                 " supports up to about 1000-8000 experts (its shared-memory tile table), got ", p.experts);
     return grouped_gemm_sm90(tile, p, stream);
   }
@@ -538,6 +562,33 @@ void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream) {
     case Pass::backward_weight:
       return dispatch_pass<Pass::backward_weight>(tile, p, stream);
   }
+}
+
+}  // namespace
+
+void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream) {
+  SLIME_CHECK(p.in_dtype == DType::bf16 || p.in_dtype == DType::f32, "grouped_gemm: inputs must be bf16 or f32, got ",
+              dtype_name(p.in_dtype));
+  SLIME_CHECK(p.out_dtype == p.in_dtype || p.out_dtype == DType::f32, "grouped_gemm: output must be ",
+              dtype_name(p.in_dtype), " or f32, got ", dtype_name(p.out_dtype));
+  SLIME_CHECK(p.pass != Pass::backward_weight || p.out_dtype == DType::f32, "grouped_gemm: dw must be f32");
+  SLIME_CHECK(p.experts >= 1 && p.experts < INT_MAX && p.rows >= 0 && p.rows < INT_MAX && p.out_features >= 0 &&
+                  p.out_features < INT_MAX - 256 && p.in_features >= 0 && p.in_features < INT_MAX - 256,
+              "grouped_gemm: sizes must fit in int32 (experts ", p.experts, ", rows ", p.rows, ", out ", p.out_features,
+              ", in ", p.in_features, ")");
+  SLIME_CHECK(p.offsets != nullptr || (p.experts == 1 && p.host_offsets == nullptr),
+              "grouped_gemm: null offsets stand for one group of all rows: they need experts = 1 (got ", p.experts,
+              ") and no host offsets");
+  const int64_t row_length = p.pass == Pass::forward ? p.out_features : p.in_features;
+  SLIME_CHECK(p.ldc == 0 || (p.pass != Pass::backward_weight && p.ldc >= row_length && p.ldc < INT_MAX),
+              "grouped_gemm: ldc ", p.ldc, " must be 0 or, for forward and backward_input, at least the row length ",
+              row_length, " (and fit in int32)");
+  SLIME_CHECK(p.alpha == 1.f || p.pass == Pass::forward, "grouped_gemm: alpha ", p.alpha,
+              " is for the forward pass only");
+  if (p.host_offsets != nullptr) check_grouped_gemm_host_offsets(p.host_offsets, p.experts, p.rows);
+  if (grouped_gemm_backend_for(p) == GroupedGemmBackend::cublas) return grouped_gemm_cublas(p, stream);
+  run_kernels(p, stream);
+  if (p.alpha != 1.f) scale_output(p, stream);
 }
 
 }  // namespace slime::ops::cuda

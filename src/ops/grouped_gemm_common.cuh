@@ -31,8 +31,15 @@ struct QuietTrap {
   __device__ __forceinline__ void operator()(const char*, int, int, int) const { __trap(); }
 };
 struct PrintingTrap {
-  __device__ __forceinline__ void operator()(const char* what, int e, int a, int b) const { offsets_trap(what, e, a, b); }
+  __device__ __forceinline__ void operator()(const char* what, int e, int a, int b) const {
+    offsets_trap(what, e, a, b);
+  }
 };
+
+// offsets[e], or the single group [0, rows) of null offsets (one expert).
+__device__ __forceinline__ int group_offset(const int32_t* offsets, int e, int rows) {
+  return offsets != nullptr ? offsets[e] : (e == 0 ? 0 : rows);
+}
 
 // ---- tile location ----------------------------------------------------------------
 
@@ -51,16 +58,17 @@ __device__ TileCoord locate_tile(const int32_t* __restrict__ offsets, int expert
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
     s_scan[kWarps] = -1;
-    if (offsets[0] != 0) Trap{}("offsets[0] is not 0", 0, offsets[0], 0);
-    if (offsets[experts] != rows) Trap{}("offsets[E] is not the row count", experts, offsets[experts], rows);
+    const int first = group_offset(offsets, 0, rows), last = group_offset(offsets, experts, rows);
+    if (first != 0) Trap{}("offsets[0] is not 0", 0, first, 0);
+    if (last != rows) Trap{}("offsets[E] is not the row count", experts, last, rows);
   }
   int carry = 0;
   for (int base = 0; base < experts; base += kThreads) {
     const int e = base + tid;
     int tiles = 0, r0 = 0, n = 0;
     if (e < experts) {
-      r0 = offsets[e];
-      n = offsets[e + 1] - r0;
+      r0 = group_offset(offsets, e, rows);
+      n = group_offset(offsets, e + 1, rows) - r0;
       if (n < 0) Trap{}("offsets decrease", e, r0, r0 + n);
       tiles = (n + kBM - 1) / kBM * n_tiles;
     }

@@ -26,6 +26,7 @@
 #include "slime/core/host_sync.hpp"
 #include "slime/core/memory.hpp"
 #include "slime/core/stream.hpp"
+#include "slime/ops/batch_invariant.hpp"
 #include "slime/ops/cuda/grouped_gemm.hpp"
 #include "slime/ops/cuda/linear.hpp"
 
@@ -356,7 +357,12 @@ GroupedGemmBackend grouped_gemm_backend() {
 
 GroupedGemmBackend grouped_gemm_backend_for(const GroupedGemmParams& p) {
   if (p.tile != GroupedGemmTile::automatic) return GroupedGemmBackend::kernel;
-  const GroupedGemmBackend b = p.backend != GroupedGemmBackend::automatic ? p.backend : grouped_gemm_backend();
+  // What only the kernels run: one implicit group, a custom pitch or scale.
+  if (p.offsets == nullptr || p.ldc != 0 || p.alpha != 1.f) return GroupedGemmBackend::kernel;
+  if (p.backend != GroupedGemmBackend::automatic) return p.backend;
+  // The batch-invariant mode: results that do not depend on the group sizes.
+  if (batch_invariant()) return GroupedGemmBackend::kernel;
+  const GroupedGemmBackend b = grouped_gemm_backend();
   if (b != GroupedGemmBackend::automatic) return b;
   // Host offsets pick cuBLAS unless the Hopper kernels take these inputs.
   if (p.host_offsets == nullptr) return GroupedGemmBackend::kernel;

@@ -37,9 +37,9 @@
 // run; not bitwise equal to the mma.sync kernels (other k order inside a
 // wgmma).
 #include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <atomic>
@@ -78,12 +78,12 @@ struct Sm90Tile {
   static constexpr int kBM = 128, kBN = BN, kBK = 64;
   static constexpr int kConsumers = 256, kThreads = kConsumers + 32;
   static constexpr int kCtasPerSm = CtasPerSm;
-  static constexpr int kBox = 64 * 64 * 2;                // one [64][64] bf16 box, 8 KB
-  static constexpr int kABytes = kBM * kBK * 2;           // 16 KB
-  static constexpr int kBBytes = kBN * kBK * 2;           // 32 or 16 KB
-  static constexpr int kStageBytes = kABytes + kBBytes;   // multiple of 1024
+  static constexpr int kBox = 64 * 64 * 2;               // one [64][64] bf16 box, 8 KB
+  static constexpr int kABytes = kBM * kBK * 2;          // 16 KB
+  static constexpr int kBBytes = kBN * kBK * 2;          // 32 or 16 KB
+  static constexpr int kStageBytes = kABytes + kBBytes;  // multiple of 1024
   static constexpr int kStages = Stages;
-  static constexpr int kAcc = BN / 2;                     // fp32 accumulators per consumer thread
+  static constexpr int kAcc = BN / 2;  // fp32 accumulators per consumer thread
   // The staging buffer: for each consumer warpgroup, 64 rows x up to 32 KB
   // of its tile's columns as boxes of [64 rows][128 bytes], 128-byte
   // swizzled; a wider tile (BN = 256 of f32) is stored in c_passes passes
@@ -106,8 +106,8 @@ struct Sm90Tile {
                 "fits the 227 KB of shared memory of a Hopper SM");
 };
 // Resources (ptxas -v, CUDA 13.0, sm_90a): 90-167 registers, no spills.
-using Sm90M128N256 = Sm90Tile<256, 3, 1, true>;     // 144 KB of stages + 64 KB of staging (f32: 2 passes)
-using Sm90M128N128 = Sm90Tile<128, 4, 1, true>;     // 128 KB + 32 (bf16) or 64 (f32) KB of staging
+using Sm90M128N256 = Sm90Tile<256, 3, 1, true>;  // 144 KB of stages + 64 KB of staging (f32: 2 passes)
+using Sm90M128N128 = Sm90Tile<128, 4, 1, true>;  // 128 KB + 32 (bf16) or 64 (f32) KB of staging
 
 template <Pass kPass>
 struct Sm90Layout {
@@ -116,10 +116,11 @@ struct Sm90Layout {
 };
 
 struct Sm90Params {
-  const int32_t* offsets;
+  const int32_t* offsets;  // null: one group of all rows
   void* c;
   int experts, rows, out_f, in_f;
   int m_tiles, n_tiles;  // backward_weight: per expert; others: n-tiles per m-tile
+  int64_t ldc;           // forward / backward_input: the row pitch of c
   bool accumulate;
 };
 
@@ -211,7 +212,8 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
       mbar_init(&empty_bar[s], T::kConsumers);
     }
     mbar_init_fence();
-    if (p.offsets[0] != 0 || p.offsets[p.experts] != p.rows) QuietTrap{}("offsets[0] or offsets[E]", 0, 0, 0);
+    if (group_offset(p.offsets, 0, p.rows) != 0 || group_offset(p.offsets, p.experts, p.rows) != p.rows)
+      QuietTrap{}("offsets[0] or offsets[E]", 0, 0, 0);
   }
   // ---- the tile table: a block-wide scan of the tiles per group
   int carry = 0;
@@ -219,7 +221,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     const int e = base + tid;
     int tiles = 0;
     if (e < p.experts) {
-      const int r0 = p.offsets[e], n = p.offsets[e + 1] - r0;
+      const int r0 = group_offset(p.offsets, e, p.rows), n = group_offset(p.offsets, e + 1, p.rows) - r0;
       if (n < 0) QuietTrap{}("offsets decrease", e, r0, r0 + n);
       row_start[e] = r0;
       tiles = kPass == Pass::backward_weight ? (n > 0 ? p.m_tiles * p.n_tiles : 0) : (n + kBM - 1) / kBM * p.n_tiles;
@@ -263,19 +265,19 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
           mbar_arrive_expect_tx(bar, T::kStageBytes);
           const int k0 = kt * kBK;
           if constexpr (kPass == Pass::forward) {
-            tma_load_2d(sa, &map_a, bar, k0, tc.a_row);          // x [rows, in]: box {64 k, 128 rows}
-            tma_load_3d(sb, &map_b, bar, k0, tc.n0, tc.group);   // w [E, out, in]: box {64 k, BN n, 1}
+            tma_load_2d(sa, &map_a, bar, k0, tc.a_row);         // x [rows, in]: box {64 k, 128 rows}
+            tma_load_3d(sb, &map_b, bar, k0, tc.n0, tc.group);  // w [E, out, in]: box {64 k, BN n, 1}
           } else if constexpr (kPass == Pass::backward_input) {
-            tma_load_2d(sa, &map_a, bar, k0, tc.a_row);          // dy [rows, out]: box {64 k, 128 rows}
+            tma_load_2d(sa, &map_a, bar, k0, tc.a_row);  // dy [rows, out]: box {64 k, 128 rows}
 #pragma unroll
-            for (int j = 0; j < BN / 64; ++j)                     // w [E, out, in]: boxes {64 n, 64 k, 1}
+            for (int j = 0; j < BN / 64; ++j)  // w [E, out, in]: boxes {64 n, 64 k, 1}
               tma_load_3d(sb + j * T::kBox, &map_b, bar, tc.n0 + 64 * j, k0, tc.group);
           } else {
 #pragma unroll
-            for (int j = 0; j < 2; ++j)                           // dy [rows, out]: boxes {64 m, 64 k}
+            for (int j = 0; j < 2; ++j)  // dy [rows, out]: boxes {64 m, 64 k}
               tma_load_2d(sa + j * T::kBox, &map_a, bar, tc.m0 + 64 * j, tc.a_row + k0);
 #pragma unroll
-            for (int j = 0; j < BN / 64; ++j)                     // x [rows, in]: boxes {64 n, 64 k}
+            for (int j = 0; j < BN / 64; ++j)  // x [rows, in]: boxes {64 n, 64 k}
               tma_load_2d(sb + j * T::kBox, &map_b, bar, tc.n0 + 64 * j, tc.a_row + k0);
           }
         }
@@ -332,12 +334,12 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
       // round once: those store from registers.
       constexpr bool kAddF32 = std::is_same_v<TOut, float>;
       const bool accumulate = kPass == Pass::backward_weight || (kPass == Pass::backward_input && p.accumulate);
-      const bool staged = kCBytes > 0 && (kPass == Pass::backward_weight || tc.m_valid >= kBM) &&
-                          (!accumulate || kAddF32);
+      const bool staged =
+          kCBytes > 0 && (kPass == Pass::backward_weight || tc.m_valid >= kBM) && (!accumulate || kAddF32);
       if (staged) {
-        constexpr int kBoxCols = 128 / int(sizeof(TOut));              // columns per box
+        constexpr int kBoxCols = 128 / int(sizeof(TOut));  // columns per box
         constexpr int kPasses = T::template c_passes<TOut>();
-        constexpr int kPassCols = BN / kPasses;                         // columns per pass
+        constexpr int kPassCols = BN / kPasses;  // columns per pass
         constexpr int kBoxes = kPassCols / kBoxCols;
         unsigned char* cbuf = smem_c + c * (kCBytes / 2);
         const bool leader = (tid & 127) == 0;
@@ -389,7 +391,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
         ldc = p.in_f;
         gC = static_cast<TOut*>(p.c) + (int64_t(tc.group) * p.out_f + tc.m0) * p.in_f + tc.n0;
       } else {
-        ldc = kPass == Pass::forward ? p.out_f : p.in_f;
+        ldc = p.ldc;
         gC = static_cast<TOut*>(p.c) + int64_t(tc.a_row) * ldc + tc.n0;
       }
 #pragma unroll
@@ -418,9 +420,10 @@ CUtensorMap make_tensor_map(const void* base, int rank, const uint64_t* dims, co
                             const uint32_t* box, CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) {
   return ::slime::ops::detail::tma::make_tensor_map("grouped_gemm", base, rank, dims, strides, box, dtype);
 }
+// pitch: elements per row (0: inner).
 CUtensorMap map_2d(const void* base, uint64_t inner, uint64_t outer, uint32_t box_inner, uint32_t box_outer,
-                   bool f32 = false) {
-  const uint64_t dims[2] = {inner, outer}, strides[1] = {inner * (f32 ? 4 : 2)};
+                   bool f32 = false, uint64_t pitch = 0) {
+  const uint64_t dims[2] = {inner, outer}, strides[1] = {(pitch != 0 ? pitch : inner) * (f32 ? 4 : 2)};
   const uint32_t box[2] = {box_inner, box_outer};
   return make_tensor_map(base, 2, dims, strides, box,
                          f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16);
@@ -454,7 +457,8 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
     if constexpr (kPass == Pass::backward_weight)
       mc = map_dw(p.c, in_f, out_f, experts);
     else
-      mc = map_2d(p.c, kPass == Pass::forward ? out_f : in_f, rows, kF32 ? 32 : 64, 64, kF32);
+      mc = map_2d(p.c, kPass == Pass::forward ? out_f : in_f, rows, kF32 ? 32 : 64, 64, kF32,
+                  uint64_t(grouped_gemm_output_pitch(p)));
   }
   Sm90Params kp{};
   kp.offsets = p.offsets;
@@ -464,6 +468,7 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   kp.out_f = int(p.out_features);
   kp.in_f = int(p.in_features);
   kp.accumulate = p.accumulate;
+  kp.ldc = grouped_gemm_output_pitch(p);
   int64_t ctas;  // an upper bound of the tiles
   if constexpr (kPass == Pass::forward) {
     ma = map_2d(p.a, in_f, rows, 64, 128);

@@ -12,6 +12,8 @@
 #include "slime/core/device.hpp"
 #include "slime/core/memory.hpp"
 #include "slime/core/stream.hpp"
+#include "slime/ops/batch_invariant.hpp"
+#include "slime/ops/cuda/grouped_gemm.hpp"
 
 namespace slime::ops::cuda {
 namespace {
@@ -122,6 +124,31 @@ int checked_int(int64_t v, const char* what) {
   return int(v);
 }
 
+// The batch-invariant mode's GEMM (slime/ops/batch_invariant.hpp): the
+// forward form C = alpha · A · Bᵀ (A [m, k], B [n, k], both unpadded, beta 0)
+// on slime's grouped GEMM kernels with one group, whose per-element sums do
+// not depend on m. False for the other forms (they stay on cuBLAS).
+bool batch_invariant_gemm(const GemmParams& p, int device, StreamHandle stream) {
+  if (p.trans_a || !p.trans_b || p.beta != 0.f || p.lda != p.k || p.ldb != p.k) return false;
+  GroupedGemmParams g;
+  g.pass = GroupedGemmPass::forward;
+  g.a = p.a;
+  g.b = p.b;
+  g.c = p.c;
+  g.offsets = nullptr;  // one group of all m rows
+  g.in_dtype = p.ab_dtype;
+  g.out_dtype = p.c_dtype;
+  g.experts = 1;
+  g.rows = p.m;
+  g.out_features = p.n;
+  g.in_features = p.k;
+  g.ldc = p.ldc == p.n ? 0 : p.ldc;
+  g.alpha = p.alpha;
+  DeviceGuard guard(Device::cuda(device));
+  grouped_gemm(g, stream);
+  return true;
+}
+
 }  // namespace
 
 void gemm(const GemmParams& p, int device, StreamHandle stream) {
@@ -137,6 +164,7 @@ void gemm(const GemmParams& p, int device, StreamHandle stream) {
   const int lda = std::max(1, checked_int(p.lda, "lda")), ldb = std::max(1, checked_int(p.ldb, "ldb")),
             ldc = std::max(1, checked_int(p.ldc, "ldc"));
   if (m == 0 || n == 0) return;
+  if (batch_invariant() && batch_invariant_gemm(p, device, stream)) return;
 
   DeviceGuard guard(Device::cuda(device));
   if (k == 0) {  // an empty sum: C = beta · C, which cuBLAS does not accept with k = 0

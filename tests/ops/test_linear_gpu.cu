@@ -20,6 +20,7 @@
 
 #include "slime/core/memory.hpp"
 #include "slime/core/random.hpp"
+#include "slime/ops/batch_invariant.hpp"
 #include "slime/ops/linear.hpp"
 
 using namespace slime;
@@ -71,15 +72,19 @@ Compare compare(const std::vector<double>& got, const std::vector<double>& want)
   return c;
 }
 
-void check_against(const Tensor& got, const std::vector<double>& want, DType out, const Stream& s, const char* what) {
+void check_against(const Tensor& got, const std::vector<double>& want, DType out, const Stream& s, const char* what,
+                   double tol_f32 = kTolF32) {
   const Compare c = compare(to_double(got, s), want);
   INFO(what << ": relative error " << c.rel << ", " << c.non_finite << " non-finite");
   CHECK(c.non_finite == 0);
-  CHECK(c.rel <= tolerance(out));
+  CHECK(c.rel <= (out == DType::f32 ? tol_f32 : tolerance(out)));
 }
 
 // All three products at (T, K, N) on `d`, against the double CPU reference.
-void check_linear(int64_t T, int64_t K, int64_t N, DType dt, DType out_dt, uint64_t seed, Device d, const Stream& s) {
+// tol_f32_y: the forward's f32 tolerance (the batch-invariant mode's tensor
+// cores accumulate like the grouped GEMM's: 1e-4, see test_grouped_gemm_gpu).
+void check_linear(int64_t T, int64_t K, int64_t N, DType dt, DType out_dt, uint64_t seed, Device d, const Stream& s,
+                  double tol_f32_y = kTolF32) {
   INFO("dtype " << dtype_name(dt) << " out " << dtype_name(out_dt) << " T=" << T << " K=" << K << " N=" << N);
   Tensor x = random_on({T, K}, dt, d, seed, s), w = random_on({N, K}, dt, d, seed + 1, s),
          dy = random_on({T, N}, dt, d, seed + 2, s);
@@ -92,7 +97,7 @@ void check_linear(int64_t T, int64_t K, int64_t N, DType dt, DType out_dt, uint6
   Tensor y = Tensor::empty({T, N}, out_dt, d, s);
   y.fill_bytes_(0xff, s);
   ops::linear_forward(x, w, y, s);
-  check_against(y, y_ref, out_dt, s, "y");
+  check_against(y, y_ref, out_dt, s, "y", tol_f32_y);
 
   Tensor dx = Tensor::empty({T, K}, out_dt, d, s);
   dx.fill_bytes_(0xff, s);
@@ -135,6 +140,26 @@ TEST_CASE("linear on the GPU matches the CPU reference on odd sizes", "[ops][lin
   }
   // A Qwen3-sized projection with several hundred packed tokens.
   check_linear(577, 2048, 1024, DType::bf16, DType::bf16, 99, d, s);
+}
+
+// The forward runs slime's own kernels in the batch-invariant mode
+// (slime/ops/batch_invariant.hpp); the backward stays on cuBLAS.
+TEST_CASE("linear on the GPU in the batch-invariant mode matches the CPU reference", "[ops][linear][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  ops::BatchInvariantScope mode;
+  const int64_t kn[][2] = {{1, 1}, {33, 255}, {1000, 129}, {7, 3}, {1024, 512}, {2048, 768}};
+  uint64_t seed = 3000;
+  const DType pairs[][2] = {{DType::f32, DType::f32}, {DType::bf16, DType::bf16}, {DType::bf16, DType::f32}};
+  for (const auto& pair : pairs) {
+    for (int64_t T : {1, 17, 577}) {
+      for (const auto& e : kn) {
+        seed += 10;
+        check_linear(T, e[0], e[1], pair[0], pair[1], seed, d, s, 1e-4);
+      }
+    }
+  }
 }
 
 TEST_CASE("linear on the GPU accepts unaligned views", "[ops][linear][gpu]") {

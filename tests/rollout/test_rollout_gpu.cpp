@@ -13,6 +13,7 @@
 #include "slime/core/host_sync.hpp"
 #include "slime/core/memory.hpp"
 #include "slime/nn/qwen3.hpp"
+#include "slime/ops/batch_invariant.hpp"
 #include "slime/ops/index_rows.hpp"
 #include "slime/rollout/weight_sync.hpp"
 
@@ -114,11 +115,18 @@ TEST_CASE("the CUDA sampler picks the host sampler's token", "[rollout][gpu]") {
   }
 }
 
-TEST_CASE("CUDA engine: the trainer's recompute of the sampled tokens' logprobs", "[rollout][gpu]") {
-  if (cuda_device_count() == 0) SKIP("no CUDA device");
-  nn::Qwen3Model m = gpu_model(1);
-  rollout::Engine engine(m, {.max_batch = 8, .max_context = 160, .kv_capacity = 0, .seed = 2});
-  const auto reqs = requests(12, 24);
+namespace {
+
+// The engine's logprobs of its sampled tokens against the trainer's
+// recompute (one forward over every prompt + completion packed).
+struct OnPolicyGap {
+  int64_t tokens = 0, exact = 0;
+  double max_diff = 0, mean_diff = 0;
+};
+
+OnPolicyGap on_policy_gap(nn::Qwen3Model& m, int64_t max_batch, int n_requests, uint64_t seed) {
+  rollout::Engine engine(m, {.max_batch = max_batch, .max_context = 160, .kv_capacity = 0, .seed = seed});
+  const auto reqs = requests(n_requests, 24);
   const auto out = engine.generate(reqs);
   std::vector<std::vector<int32_t>> seqs;
   std::vector<int32_t> targets;
@@ -135,24 +143,68 @@ TEST_CASE("CUDA engine: the trainer's recompute of the sampled tokens' logprobs"
   const Tensor hidden = m.forward(batch, ctx);
   const auto lp = m.token_logprobs(hidden, Tensor::from_vector(targets, {int64_t(targets.size())}, Device::cuda(0)))
                       .logprobs.to_vector<float>();
-  double max_diff = 0, sum_diff = 0;
-  int64_t n = 0, exact = 0;
+  OnPolicyGap g;
+  double sum = 0;
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const int64_t first = batch.cu_seqlens_host[i] + int64_t(reqs[i].prompt.size()) - 1;
     for (std::size_t j = 0; j < out[i].tokens.size(); ++j) {
       const double d = std::abs(double(lp[std::size_t(first) + j]) - double(out[i].logprobs[j]));
-      max_diff = std::max(max_diff, d);
-      sum_diff += d;
-      exact += d == 0;
-      ++n;
+      g.max_diff = std::max(g.max_diff, d);
+      sum += d;
+      // Bitwise: the same float, compared as bytes.
+      g.exact += std::memcmp(&lp[std::size_t(first) + j], &out[i].logprobs[j], 4) == 0;
+      ++g.tokens;
     }
   }
+  g.mean_diff = g.tokens ? sum / double(g.tokens) : 0;
+  return g;
+}
+
+nn::Qwen3Model gpu_moe_model(uint64_t seed) {
+  nn::Qwen3Config c = gpu_config();
+  c.model_type = "qwen3_moe";
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 96;
+  c.mlp_only_layers = {0};  // layer 0 dense, layer 1 sparse
+  nn::Qwen3Model m(c, {Device::cuda(0), DType::bf16});
+  m.init_random(seed, 0.05f);
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("CUDA engine: the trainer's recompute of the sampled tokens' logprobs", "[rollout][gpu]") {
+  if (cuda_device_count() == 0) SKIP("no CUDA device");
+  nn::Qwen3Model m = gpu_model(1);
+  ops::BatchInvariantScope mode(false);
+  const OnPolicyGap g = on_policy_gap(m, 8, 12, 2);
   std::printf(
-      "rollout on-policy gap (CUDA bf16): %lld tokens, max |engine - trainer| logprob %.3g, mean %.3g, "
-      "%lld bitwise equal\n",
-      (long long)n, max_diff, sum_diff / double(n), (long long)exact);
-  CHECK(n > 200);
-  CHECK(max_diff < 0.05);  // bf16 activations: hidden rounding differences between the two paths
+      "rollout on-policy gap (CUDA bf16, batch-invariant mode off): %lld tokens, max |engine - trainer| logprob "
+      "%.3g, mean %.3g, %lld bitwise equal\n",
+      (long long)g.tokens, g.max_diff, g.mean_diff, (long long)g.exact);
+  CHECK(g.tokens > 200);
+  CHECK(g.max_diff < 0.05);  // bf16 activations: hidden rounding differences between the two paths
+}
+
+// Issue 20: in the batch-invariant mode every sampled token's engine logprob
+// equals the trainer's recompute bit for bit, whatever the engine's batch.
+TEST_CASE("CUDA engine in the batch-invariant mode: logprobs equal the trainer's bit for bit", "[rollout][gpu]") {
+  if (cuda_device_count() == 0) SKIP("no CUDA device");
+  ops::BatchInvariantScope mode;
+  for (bool moe : {false, true}) {
+    nn::Qwen3Model m = moe ? gpu_moe_model(5) : gpu_model(5);
+    for (int64_t max_batch : {1, 7, 64}) {
+      INFO((moe ? "MoE" : "dense") << ", engine max_batch " << max_batch);
+      const OnPolicyGap g = on_policy_gap(m, max_batch, max_batch == 64 ? 70 : 16, 9);
+      std::printf(
+          "batch-invariant on-policy gap (%s, max_batch %lld): %lld tokens, %lld bitwise equal, max |diff| %.3g\n",
+          moe ? "MoE" : "dense", (long long)max_batch, (long long)g.tokens, (long long)g.exact, g.max_diff);
+      CHECK(g.tokens > 200);
+      CHECK(g.exact == g.tokens);
+      CHECK(g.max_diff == 0);
+    }
+  }
 }
 
 // Issue 19: decode runs on the GPU wait on the host once per run, not once

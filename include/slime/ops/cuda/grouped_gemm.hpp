@@ -96,14 +96,23 @@ inline constexpr int kGroupedGemmPointerSlots = 64;
 
 struct GroupedGemmParams {
   GroupedGemmPass pass = GroupedGemmPass::forward;
-  const void* a = nullptr;           // see the table above
-  const void* b = nullptr;           //
-  void* c = nullptr;                 //
-  const int32_t* offsets = nullptr;  // [experts + 1], device
-  DType in_dtype = DType::bf16;      // a and b: bf16 or f32
-  DType out_dtype = DType::bf16;     // c: in_dtype or f32 (f32 for backward_weight)
+  const void* a = nullptr;  // see the table above
+  const void* b = nullptr;  //
+  void* c = nullptr;        //
+  // [experts + 1], device; null: one group of all rows (experts must be 1),
+  // a plain GEMM on the kernels (the batch-invariant Linear forward).
+  const int32_t* offsets = nullptr;
+  DType in_dtype = DType::bf16;   // a and b: bf16 or f32
+  DType out_dtype = DType::bf16;  // c: in_dtype or f32 (f32 for backward_weight)
   int64_t experts = 0, rows = 0, out_features = 0, in_features = 0;
   bool accumulate = false;  // backward_input: dx += (backward_weight always adds)
+  // forward / backward_input: the row pitch of c in elements (0: its row
+  // length, out_features or in_features). A pitch whose bytes are not a
+  // multiple of 16 takes the fallback kernel. Runs the kernels, not cuBLAS.
+  int64_t ldc = 0;
+  // forward only: c = alpha · (a · bᵀ), alpha applied to the stored result
+  // in a second pass (for bf16 c: a second rounding). Runs the kernels.
+  float alpha = 1.f;
   GroupedGemmTile tile = GroupedGemmTile::automatic;
   // Host copy of `offsets` ([experts + 1], equal to it), or null. Validated on
   // the host (offsets[0] = 0, non-decreasing, offsets[experts] = rows).
@@ -112,6 +121,13 @@ struct GroupedGemmParams {
   // environment). A forced tile always runs the kernels.
   GroupedGemmBackend backend = GroupedGemmBackend::automatic;
 };
+
+// The row pitch of c in elements that p asks for: p.ldc, or the row length
+// (backward_weight: in_features, dw being [experts, out, in]).
+inline int64_t grouped_gemm_output_pitch(const GroupedGemmParams& p) {
+  if (p.ldc != 0) return p.ldc;
+  return p.pass == GroupedGemmPass::forward ? p.out_features : p.in_features;
+}
 
 // Runs on `stream` of the current device, on the backend that
 // grouped_gemm_backend_for(p) names. Throws slime::Error for unsupported
@@ -129,7 +145,11 @@ void grouped_gemm(const GroupedGemmParams& p, StreamHandle stream);
 void set_grouped_gemm_backend(GroupedGemmBackend b);
 GroupedGemmBackend grouped_gemm_backend();
 
-// The backend grouped_gemm(p) runs: kernel or cublas (never automatic).
+// The backend grouped_gemm(p) runs: kernel or cublas (never automatic). The
+// kernels always run null offsets, a custom ldc or alpha, and every call in
+// the batch-invariant mode (slime/ops/batch_invariant.hpp) whose p.backend is
+// automatic, over set_grouped_gemm_backend: their results do not depend on
+// the group sizes.
 GroupedGemmBackend grouped_gemm_backend_for(const GroupedGemmParams& p);
 
 // How the cuBLAS backend runs the forward and dgrad passes: one

@@ -1,0 +1,289 @@
+// The batch-invariant mode on the GPU (slime/ops/batch_invariant.hpp, issue
+// 20): in the mode, a row's result must not depend on the other rows of the
+// call. Every case computes a batch of rows once, then sub-batches of it
+// (1, 7, 64, 129 rows at several offsets) and requires the same bits row for
+// row; and the mode's kernels must still be right (against the CPU
+// reference, tolerances as in test_linear_gpu / test_grouped_gemm_gpu).
+//
+// Also the grouped GEMM's plain-GEMM form under the mode: null offsets (one
+// group of all rows) equal an explicit single group bit for bit, a row pitch
+// (ldc) larger than the row leaves the padding untouched, alpha scales the
+// stored result, and bad combinations throw.
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "slime/core/memory.hpp"
+#include "slime/core/random.hpp"
+#include "slime/ops/batch_invariant.hpp"
+#include "slime/ops/cuda/grouped_gemm.hpp"
+#include "slime/ops/grouped_gemm.hpp"
+#include "slime/ops/linear.hpp"
+#include "slime/ops/token_logprobs.hpp"
+
+using namespace slime;
+using Catch::Matchers::ContainsSubstring;
+using ops::cuda::GroupedGemmPass;
+
+namespace {
+
+Tensor random_on(const Shape& shape, DType dt, Device d, uint64_t seed, const Stream& s, float stddev = 1.f) {
+  Tensor t = Tensor::empty(shape, dt, d, s);
+  fill_normal(t, seed, 0, 0.f, stddev, s);
+  return t;
+}
+
+std::vector<unsigned char> bytes_of(const Tensor& t, const Stream& s) {
+  const Tensor h = t.to(Device::cpu(), s);
+  const auto* p = static_cast<const unsigned char*>(h.data_ptr());
+  return std::vector<unsigned char>(p, p + h.nbytes());
+}
+
+std::vector<double> to_double(const Tensor& t, const Stream& s) {
+  std::vector<double> out(static_cast<std::size_t>(t.numel()));
+  if (t.dtype() == DType::f32) {
+    const auto v = t.to_vector<float>(s);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = v[i];
+  } else {
+    const auto v = t.to_vector<BFloat16>(s);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = double(float(v[i]));
+  }
+  return out;
+}
+
+// ‖got − want‖ / ‖want‖, and whether every element of got is finite.
+double relative_error(const std::vector<double>& got, const std::vector<double>& want, bool& finite) {
+  double num = 0, den = 0;
+  finite = true;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    finite = finite && std::isfinite(got[i]);
+    num += (got[i] - want[i]) * (got[i] - want[i]);
+    den += want[i] * want[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+// Sub-batches [offset, offset + rows) of a 300-row batch.
+struct Slice {
+  int64_t offset, rows;
+};
+constexpr int64_t kRows = 300;
+constexpr Slice kSlices[] = {{0, 1}, {299, 1}, {5, 7}, {37, 64}, {100, 129}, {0, 300}};
+
+}  // namespace
+
+TEST_CASE("batch-invariant mode: a Linear row's output does not depend on the batch", "[ops][linear][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  ops::BatchInvariantScope mode;
+  // (K, N): tensor-core shapes (the n128 and n256 tiles), and odd ones (the fallback).
+  const int64_t kn[][2] = {{128, 384}, {1024, 2048}, {2048, 768}, {200, 300}, {33, 7}};
+  uint64_t seed = 7000;
+  for (const auto& e : kn) {
+    for (DType out_dt : {DType::bf16, DType::f32}) {
+      const int64_t K = e[0], N = e[1];
+      INFO("K=" << K << " N=" << N << " out " << dtype_name(out_dt));
+      seed += 10;
+      const Tensor x = random_on({kRows, K}, DType::bf16, d, seed, s),
+                   w = random_on({N, K}, DType::bf16, d, seed + 1, s);
+      Tensor full = Tensor::empty({kRows, N}, out_dt, d, s);
+      full.fill_bytes_(0xff, s);
+      ops::linear_forward(x, w, full, s);
+      // Right, against the CPU reference.
+      const auto xd = to_double(x, s), wd = to_double(w, s);
+      std::vector<double> ref(std::size_t(kRows * N));
+      ops::cpu::linear_forward(xd.data(), wd.data(), kRows, K, N, ref.data());
+      bool finite = false;
+      const double rel = relative_error(to_double(full, s), ref, finite);
+      CHECK(finite);
+      CHECK(rel <= (out_dt == DType::bf16 ? 5e-3 : 1e-4));
+      // Invariant: every sub-batch gives the full batch's bytes.
+      const auto want = bytes_of(full, s);
+      const std::size_t row_bytes = std::size_t(N) * dtype_size(out_dt);
+      for (const Slice& sl : kSlices) {
+        INFO("rows [" << sl.offset << ", " << sl.offset + sl.rows << ")");
+        Tensor part = Tensor::empty({sl.rows, N}, out_dt, d, s);
+        part.fill_bytes_(0xff, s);
+        ops::linear_forward(x.slice_rows(sl.offset, sl.rows), w, part, s);
+        const auto got = bytes_of(part, s);
+        CHECK(std::memcmp(got.data(), want.data() + std::size_t(sl.offset) * row_bytes, got.size()) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("batch-invariant mode: a token's logprob, entropy and lse do not depend on the batch",
+          "[ops][token_logprobs][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  ops::BatchInvariantScope mode;
+  const int64_t dim = 128;
+  // vocab 1000: tensor cores; 300: logits rows of 300 floats in a pitch of 304 (the fallback kernel).
+  for (int64_t vocab : {1000, 300}) {
+    for (float temperature : {1.f, 0.7f}) {
+      INFO("vocab " << vocab << " temperature " << temperature);
+      const Tensor h = random_on({kRows, dim}, DType::bf16, d, uint64_t(vocab), s);
+      const Tensor w = random_on({vocab, dim}, DType::bf16, d, uint64_t(vocab) + 1, s, 0.3f);
+      std::vector<int32_t> t(static_cast<std::size_t>(kRows));
+      for (int64_t i = 0; i < kRows; ++i) t[std::size_t(i)] = int32_t((i * 7919) % vocab);
+      const Tensor targets = Tensor::from_vector(t, {kRows}, d, s);
+      const ops::TokenLogprobs full = ops::token_logprobs(h, w, targets, temperature, s);
+      // Right, against the CPU reference (fp32 sums; the GPU's logits differ by rounding).
+      const ops::TokenLogprobs cpu = ops::token_logprobs(h.to(Device::cpu(), s), w.to(Device::cpu(), s),
+                                                         targets.to(Device::cpu(), s), temperature);
+      bool finite = false;
+      CHECK(relative_error(to_double(full.logprobs, s), to_double(cpu.logprobs, s), finite) <= 1e-4);
+      CHECK(finite);
+      const auto lp = bytes_of(full.logprobs, s), en = bytes_of(full.entropy, s), lse = bytes_of(full.lse, s);
+      for (const Slice& sl : kSlices) {
+        INFO("rows [" << sl.offset << ", " << sl.offset + sl.rows << ")");
+        const ops::TokenLogprobs part = ops::token_logprobs(h.slice_rows(sl.offset, sl.rows), w,
+                                                            targets.slice_rows(sl.offset, sl.rows), temperature, s);
+        const std::size_t at = std::size_t(sl.offset) * 4, n = std::size_t(sl.rows) * 4;
+        CHECK(std::memcmp(bytes_of(part.logprobs, s).data(), lp.data() + at, n) == 0);
+        CHECK(std::memcmp(bytes_of(part.entropy, s).data(), en.data() + at, n) == 0);
+        CHECK(std::memcmp(bytes_of(part.lse, s).data(), lse.data() + at, n) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("batch-invariant mode: MoE expert rows do not depend on the group sizes", "[ops][moe][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  ops::BatchInvariantScope mode;
+  const int64_t E = 8, K = 256, N = 512;
+  // Row r of the big batch belongs to expert r % E (sorted by expert below);
+  // the small batch holds one or two rows of some experts and none of others.
+  const int64_t rows = 600;
+  const Tensor w = random_on({E, N, K}, DType::bf16, d, 91, s);
+  const Tensor x = random_on({rows, K}, DType::bf16, d, 92, s);
+  std::vector<int32_t> offsets(std::size_t(E + 1));
+  for (int64_t e = 0; e <= E; ++e) offsets[std::size_t(e)] = int32_t(e * rows / E);
+  const Tensor off = Tensor::from_vector(offsets, {E + 1}, d, s);
+  Tensor full = Tensor::empty({rows, N}, DType::bf16, d, s);
+  full.fill_bytes_(0xff, s);
+  // With host offsets too: outside the mode they may select cuBLAS.
+  ops::grouped_gemm_forward(x, w, off, full, s, offsets);
+  const auto want = bytes_of(full, s);
+  // The small batch: rows {first row of expert 1, two rows of expert 4, last row of expert 7}.
+  const int64_t picks[] = {offsets[1], offsets[4] + 3, offsets[4] + 10, offsets[8] - 1};
+  const int32_t small_offsets[] = {0, 0, 1, 1, 1, 3, 3, 3, 4};
+  std::vector<int32_t> so(std::begin(small_offsets), std::end(small_offsets));
+  Tensor xs = Tensor::empty({4, K}, DType::bf16, d, s);
+  for (int i = 0; i < 4; ++i) xs.slice_rows(i, 1).copy_from(x.slice_rows(picks[i], 1), s);
+  Tensor ys = Tensor::empty({4, N}, DType::bf16, d, s);
+  ys.fill_bytes_(0xff, s);
+  ops::grouped_gemm_forward(xs, w, Tensor::from_vector(so, {E + 1}, d, s), ys, s, so);
+  const auto got = bytes_of(ys, s);
+  const std::size_t row_bytes = std::size_t(N) * 2;
+  for (int i = 0; i < 4; ++i) {
+    INFO("row " << picks[i]);
+    CHECK(std::memcmp(got.data() + std::size_t(i) * row_bytes, want.data() + std::size_t(picks[i]) * row_bytes,
+                      row_bytes) == 0);
+  }
+  ops::cuda::GroupedGemmParams p;
+  p.offsets = off.data<int32_t>();
+  p.host_offsets = offsets.data();
+  p.experts = E;
+  p.rows = rows;
+  CHECK(ops::cuda::grouped_gemm_backend_for(p) == ops::cuda::GroupedGemmBackend::kernel);
+}
+
+TEST_CASE("grouped GEMM as a plain GEMM: null offsets, a row pitch and alpha", "[ops][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  // (K, N): the n256 and n128 tensor-core tiles and the fallback.
+  const int64_t kn[][2] = {{256, 512}, {72, 64}, {37, 21}};
+  uint64_t seed = 500;
+  for (const auto& e : kn) {
+    for (int64_t rows : {1, 7, 130, 300}) {
+      for (DType out_dt : {DType::bf16, DType::f32}) {
+        for (GroupedGemmPass pass : {GroupedGemmPass::forward, GroupedGemmPass::backward_input}) {
+          const int64_t K = e[0], N = e[1];
+          const bool fwd = pass == GroupedGemmPass::forward;
+          const int64_t in_cols = fwd ? K : N, out_cols = fwd ? N : K;
+          INFO("K=" << K << " N=" << N << " rows " << rows << " out " << dtype_name(out_dt)
+                    << (fwd ? " fwd" : " dgrad"));
+          seed += 3;
+          const Tensor a = random_on({rows, in_cols}, DType::bf16, d, seed, s);
+          const Tensor w = random_on({1, N, K}, DType::bf16, d, seed + 1, s);
+          const std::vector<int32_t> one_group{0, int32_t(rows)};
+          const Tensor off = Tensor::from_vector(one_group, {2}, d, s);
+          ops::cuda::GroupedGemmParams p;
+          p.pass = pass;
+          p.a = a.data_ptr();
+          p.b = w.data_ptr();
+          p.in_dtype = DType::bf16;
+          p.out_dtype = out_dt;
+          p.experts = 1;
+          p.rows = rows;
+          p.out_features = N;
+          p.in_features = K;
+          p.backend = ops::cuda::GroupedGemmBackend::kernel;
+          // The explicit single group.
+          Tensor want = Tensor::empty({rows, out_cols}, out_dt, d, s);
+          want.fill_bytes_(0xff, s);
+          p.c = want.data_ptr();
+          p.offsets = off.data<int32_t>();
+          ops::cuda::grouped_gemm(p, s.handle());
+          // Null offsets, and a pitch of out_cols + 8 (16-byte rows for bf16 and f32 alike).
+          const int64_t ldc = out_cols + 8;
+          Tensor padded = Tensor::empty({rows, ldc}, out_dt, d, s);
+          padded.fill_bytes_(0xff, s);
+          p.c = padded.data_ptr();
+          p.offsets = nullptr;
+          p.ldc = ldc;
+          ops::cuda::grouped_gemm(p, s.handle());
+          const auto w_bytes = bytes_of(want, s), p_bytes = bytes_of(padded, s);
+          const std::size_t es = dtype_size(out_dt), row_bytes = std::size_t(out_cols) * es;
+          bool same = true, pad_kept = true;
+          for (int64_t r = 0; r < rows; ++r) {
+            const unsigned char* row = p_bytes.data() + std::size_t(r * ldc) * es;
+            same = same && std::memcmp(row, w_bytes.data() + std::size_t(r) * row_bytes, row_bytes) == 0;
+            for (std::size_t b = row_bytes; b < std::size_t(ldc) * es; ++b) pad_kept = pad_kept && row[b] == 0xff;
+          }
+          CHECK(same);
+          CHECK(pad_kept);
+          if (fwd && out_dt == DType::f32) {
+            // alpha: the stored result times alpha, rounded once more (f32 here).
+            const float alpha = 1.f / 0.7f;
+            p.alpha = alpha;
+            ops::cuda::grouped_gemm(p, s.handle());
+            const auto scaled = padded.to_vector<float>(s);
+            const auto base = want.to_vector<float>(s);
+            int64_t off_by = 0;
+            for (int64_t r = 0; r < rows; ++r)
+              for (int64_t c = 0; c < out_cols; ++c)
+                off_by += scaled[std::size_t(r * ldc + c)] != base[std::size_t(r * out_cols + c)] * alpha;
+            CHECK(off_by == 0);
+          }
+        }
+      }
+    }
+  }
+  // Bad combinations.
+  ops::cuda::GroupedGemmParams bad;
+  bad.experts = 2;
+  bad.rows = 4;
+  bad.out_features = 8;
+  bad.in_features = 8;
+  CHECK_THROWS_WITH(ops::cuda::grouped_gemm(bad, s.handle()), ContainsSubstring("experts = 1"));
+  bad.experts = 1;
+  bad.ldc = 4;
+  CHECK_THROWS_WITH(ops::cuda::grouped_gemm(bad, s.handle()), ContainsSubstring("ldc 4"));
+  bad.ldc = 0;
+  bad.alpha = 2.f;
+  bad.pass = GroupedGemmPass::backward_input;
+  CHECK_THROWS_WITH(ops::cuda::grouped_gemm(bad, s.handle()), ContainsSubstring("forward pass only"));
+}
