@@ -182,6 +182,7 @@
 #include "slime/nn/packed_batch.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/nn/qwen3_vl.hpp"
+#include "slime/ops/batch_invariant.hpp"
 #include "slime/parallel/expert_parallel.hpp"
 #include "slime/parallel/sharded.hpp"
 
@@ -208,7 +209,7 @@ struct BenchModel {
   int warmup = 3;                                      // untimed steps of each repetition
   int steps = 20;                                      // timed steps of each repetition
   int reps = 3;  // repetitions (each builds the model and the ranks anew); the median of their medians is reported
-  int ep = 1;  // expert-parallel degree: mesh dp_shard (ranks / ep) x ep when > 1
+  int ep = 1;    // expert-parallel degree: mesh dp_shard (ranks / ep) x ep when > 1
   std::vector<int> gpus = {1, 2};
   std::string description;  // for the benchmark context
 };
@@ -607,14 +608,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_fsdp: %s\n", e.what());
     return 2;
   }
+  // SLIME_BENCH_FSDP_BATCH_INVARIANT=1 adds a ".../batch_invariant" row after
+  // each row: the same step in the batch-invariant mode (its cost, issue 20).
+  const char* bi = std::getenv("SLIME_BENCH_FSDP_BATCH_INVARIANT");
+  const bool with_batch_invariant = bi != nullptr && std::string(bi) == "1";
   for (const BenchModel& bm : models) {
     for (int ranks : bm.gpus) {
-      // One iteration holds the whole measurement (warm-up + timed steps);
-      // its time is the median step.
-      bench::register_manual(
-          "fsdp/" + bm.name + "/gpus" + std::to_string(ranks),
-          [bm, ranks](benchmark::State& state) { run_fsdp(state, bm, ranks); }, benchmark::kMillisecond,
-          /*iterations=*/1, /*repetitions=*/1);
+      for (bool invariant : {false, true}) {
+        if (invariant && !with_batch_invariant) continue;
+        // One iteration holds the whole measurement (warm-up + timed steps);
+        // its time is the median step.
+        bench::register_manual(
+            "fsdp/" + bm.name + "/gpus" + std::to_string(ranks) + (invariant ? "/batch_invariant" : ""),
+            [bm, ranks, invariant](benchmark::State& state) {
+              ops::BatchInvariantScope mode(invariant);
+              run_fsdp(state, bm, ranks);
+            },
+            benchmark::kMillisecond,
+            /*iterations=*/1, /*repetitions=*/1);
+      }
     }
   }
   return bench::run_benchmarks(argc, argv, [&models] {

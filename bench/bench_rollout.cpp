@@ -5,7 +5,9 @@
 // rollout/<model>/decode/b<B>: one Engine::generate of B requests, prompt 64
 // tokens, exactly 64 new tokens each (no stop token), temperature 1; the time
 // is the whole call (prefill + 64 decode steps, sampling on the GPU); the
-// counter tokens_per_s = B * 64 / time.
+// counter tokens_per_s = B * 64 / time. The ".../batch_invariant" rows run
+// the same in the batch-invariant mode (slime/ops/batch_invariant.hpp): its
+// cost beside the row before it.
 // Model "moe": the project's Qwen3-MoE benchmark config: hidden 1024, 8
 // layers, 16 heads / 4 KV heads, head_dim 64, 32 experts top-4,
 // moe_intermediate 384, vocab 32000. Model "dense": the same with a dense
@@ -16,6 +18,7 @@
 
 #include "bench_util.hpp"
 #include "slime/nn/qwen3.hpp"
+#include "slime/ops/batch_invariant.hpp"
 #include "slime/rollout/engine.hpp"
 
 namespace {
@@ -57,8 +60,9 @@ std::vector<rollout::Request> requests(int64_t batch) {
   return rs;
 }
 
-void decode(benchmark::State& state, bool moe, int64_t batch) {
+void decode(benchmark::State& state, bool moe, int64_t batch, bool invariant) {
   if (bench::skip_without_cuda(state)) return;
+  ops::BatchInvariantScope mode(invariant);
   bench::run_or_skip(state, [&] {
     static nn::Qwen3Model* models[2] = {nullptr, nullptr};
     nn::Qwen3Model*& model = models[moe ? 1 : 0];
@@ -86,13 +90,15 @@ void decode(benchmark::State& state, bool moe, int64_t batch) {
 int main(int argc, char** argv) {
   for (bool moe : {false, true})
     for (int64_t b : {1, 32, 256})
-      benchmark::RegisterBenchmark(
-          ("rollout/" + std::string(moe ? "moe" : "dense") + "/decode/b" + std::to_string(b)).c_str(),
-          [moe, b](benchmark::State& s) { decode(s, moe, b); })
-          ->UseManualTime()
-          ->Unit(benchmark::kMillisecond)
-          ->Iterations(3)
-          ->Repetitions(3)
-          ->ReportAggregatesOnly(true);
+      for (bool invariant : {false, true})
+        benchmark::RegisterBenchmark(("rollout/" + std::string(moe ? "moe" : "dense") + "/decode/b" +
+                                      std::to_string(b) + (invariant ? "/batch_invariant" : ""))
+                                         .c_str(),
+                                     [moe, b, invariant](benchmark::State& s) { decode(s, moe, b, invariant); })
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->Iterations(3)
+            ->Repetitions(3)
+            ->ReportAggregatesOnly(true);
   return slime::bench::run_benchmarks(argc, argv);
 }

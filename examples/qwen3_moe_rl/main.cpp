@@ -18,6 +18,7 @@
 #include "engine_server.hpp"
 #include "options.hpp"
 #include "slime/comm/launch.hpp"
+#include "slime/ops/batch_invariant.hpp"
 #include "trainer.hpp"
 
 namespace {
@@ -72,6 +73,8 @@ int main(int argc, char** argv) {
   o.add_to(app);
   CLI11_PARSE(app, argc, argv);
   o.resolve(app);
+  // Before any rank starts: every engine and trainer op runs in this mode.
+  ops::set_batch_invariant(o.batch_invariant == "on");
   try {
     // Ranks as threads of this process (CPU: LocalComm; CUDA: one GPU each,
     // at most the visible GPUs), or one process per rank under torchrun,

@@ -48,6 +48,10 @@ struct Options {
   // often the trainer's router picks the same ones) | replay (the trainer
   // routes every token to the engine's experts).
   std::string routing = "off";
+  // The batch-invariant numerics mode (slime/ops/batch_invariant.hpp): on
+  // CUDA the engine's logprobs then equal the trainer's bit for bit (the CPU
+  // is batch-invariant either way). on | off.
+  std::string batch_invariant = "on";
   std::string empty_sequences = "count";  // count (slime's) | skip: responses without loss tokens in the normalisers
   // On-policy distillation (slime's --opd-kl-coef): a frozen teacher.
   std::string teacher;       // HF directory; empty: no distillation
@@ -153,6 +157,12 @@ struct Options {
                    "routing_agreement is the fraction of (token, sparse layer) pairs whose experts the trainer's "
                    "router picks too) | replay (the trainer routes every token to the engine's experts, as "
                    "slime's --use-rollout-routing-replay)")
+        ->capture_default_str()
+        ->group(g);
+    app.add_option("--batch-invariant", batch_invariant,
+                   "on | off: the batch-invariant numerics mode (CUDA: the engine's logprobs equal the trainer's "
+                   "recompute bit for bit, at some cost in speed; no effect on the CPU)")
+        ->check(CLI::IsMember({"on", "off"}))
         ->capture_default_str()
         ->group(g);
     app.add_option("--is-low", is_low, "importance weight lower bound")->capture_default_str()->group(g);

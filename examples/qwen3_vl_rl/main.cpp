@@ -15,9 +15,11 @@
 
 #include <exception>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "slime/comm/launch.hpp"
+#include "slime/ops/batch_invariant.hpp"
 #include "trainer.hpp"
 
 namespace {
@@ -56,7 +58,15 @@ int main(int argc, char** argv) {
   app.add_option("--seed", o.seed, "seed of the weights, the images and the sampling");
   app.add_option("--out", o.out_dir, "output directory (metrics.jsonl, hf/)");
   app.add_flag("!--no-export", o.export_hf, "skip the Hugging Face export at the end");
+  std::string batch_invariant = "on";
+  app.add_option("--batch-invariant", batch_invariant,
+                 "on | off: the batch-invariant numerics mode (CUDA: the engine's logprobs equal the trainer's "
+                 "recompute bit for bit, at some cost in speed; no effect on the CPU)")
+      ->check(CLI::IsMember({"on", "off"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  // Before any rank starts: every engine and trainer op runs in this mode.
+  ops::set_batch_invariant(batch_invariant == "on");
   try {
     const comm::Launch launch = comm::plan_launch({.device = o.device, .ranks = o.ranks, .fit_to_devices = true});
     if (!launch.note.empty() && launch.has_rank_zero()) fmt::print("{}\n", launch.note);

@@ -47,7 +47,8 @@
 // it is NOT run-to-run deterministic (differences at fp32 rounding, before
 // the final bf16 rounding); AttentionOptions::deterministic makes the key
 // blocks add in a fixed order (bitwise run to run; its cost: bench_attention's
-// /det rows). The CPU path is deterministic.
+// /det rows), and so does the batch-invariant mode (ops/batch_invariant.hpp).
+// The CPU path is deterministic.
 //
 // Workspace: attention_backward on CUDA needs
 // attention_backward_workspace_elems(q) f32 elements (dq accumulator,
@@ -64,6 +65,7 @@
 #include <vector>
 
 #include "slime/core/tensor.hpp"
+#include "slime/ops/batch_invariant.hpp"
 #include "slime/ops/cpu/attention.hpp"
 #include "slime/ops/cuda/attention.hpp"
 #include "slime/ops/host_checks.hpp"
@@ -314,6 +316,8 @@ inline void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v
   p.fwd = detail::cuda_forward_params(q, k, v, cu_seqlens_q, cu_seqlens_k, d, max_q, max_k, options);
   p.fwd.o = o.data_ptr();  // read only in the backward
   p.fwd.lse = lse.data<float>();
+  // The batch-invariant mode is also run-to-run deterministic: dq adds in a fixed order.
+  if (batch_invariant()) p.fwd.options.deterministic = true;
   p.d_o = d_o.data_ptr();
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();

@@ -18,6 +18,9 @@
 //   - the grouped GEMM of the MoE experts never takes the cuBLAS backend
 //     (its host offsets are ignored): the kernels' tiles depend on the
 //     feature sizes only, not on the group sizes.
+//   - the attention backward sums dq over key blocks in a fixed order
+//     (AttentionOptions::deterministic), so that a training step is also
+//     bitwise run to run (issue 20's determinism run).
 // Attention, RMSNorm, RoPE, SwiGLU, the router and the MoE combine are
 // batch-invariant as they are: one reduction per row in a fixed order, no
 // split over keys, kernels chosen without looking at the batch.
