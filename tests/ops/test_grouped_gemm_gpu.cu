@@ -172,6 +172,7 @@ void check_case(const Case& c, uint64_t seed) {
   probe.a = x.data_ptr();
   probe.b = w.data_ptr();
   probe.c = dy.data_ptr();
+  probe.offsets = offsets.data<int32_t>();  // device offsets: null would mean one implicit group
   const bool tensor_cores = ops::cuda::grouped_gemm_tile_for(probe) != GroupedGemmTile::simple;
   if (tensor_cores) {
     for (GroupedGemmTile t : ops::cuda::kGroupedGemmTiles) {
@@ -364,6 +365,7 @@ TEST_CASE("grouped GEMM backend knobs pick the kernels or cuBLAS", "[ops][moe][g
 
   ops::cuda::GroupedGemmParams q;
   q.experts = E, q.rows = N, q.in_features = K, q.out_features = No;
+  q.offsets = offsets.data<int32_t>();
   CHECK(ops::cuda::grouped_gemm_backend() == GroupedGemmBackend::automatic);
   CHECK(ops::cuda::grouped_gemm_backend_for(q) == GroupedGemmBackend::kernel);
   q.host_offsets = off.data();

@@ -120,7 +120,7 @@ namespace {
 // The engine's logprobs of its sampled tokens against the trainer's
 // recompute (one forward over every prompt + completion packed).
 struct OnPolicyGap {
-  int64_t tokens = 0, exact = 0;
+  int64_t tokens = 0, exact = 0, shown = 0;
   double max_diff = 0, mean_diff = 0;
 };
 
@@ -148,11 +148,21 @@ OnPolicyGap on_policy_gap(nn::Qwen3Model& m, int64_t max_batch, int n_requests, 
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const int64_t first = batch.cu_seqlens_host[i] + int64_t(reqs[i].prompt.size()) - 1;
     for (std::size_t j = 0; j < out[i].tokens.size(); ++j) {
-      const double d = std::abs(double(lp[std::size_t(first) + j]) - double(out[i].logprobs[j]));
-      g.max_diff = std::max(g.max_diff, d);
+      const float trainer = lp[std::size_t(first) + j], eng = out[i].logprobs[j];
+      const double d = std::abs(double(trainer) - double(eng));
+      if (!(d <= g.max_diff)) g.max_diff = d;  // a NaN sticks
       sum += d;
       // Bitwise: the same float, compared as bytes.
-      g.exact += std::memcmp(&lp[std::size_t(first) + j], &out[i].logprobs[j], 4) == 0;
+      const bool same = std::memcmp(&trainer, &eng, 4) == 0;
+      g.exact += same;
+      if (!same && g.shown < 4) {
+        ++g.shown;
+        uint32_t tb = 0, eb = 0;
+        std::memcpy(&tb, &trainer, 4);
+        std::memcpy(&eb, &eng, 4);
+        std::printf("  differs: request %zu token %zu (id %d): trainer %.9g (%08x) engine %.9g (%08x)\n", i, j,
+                    int(out[i].tokens[j]), double(trainer), tb, double(eng), eb);
+      }
       ++g.tokens;
     }
   }
