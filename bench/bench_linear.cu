@@ -20,6 +20,7 @@
 // kWarmup untimed GEMMs; each iteration records a CUDA event, runs kBatch
 // GEMMs, records another, and reports the time / kBatch (UseManualTime).
 // Iterations and repetitions are fixed; read the median over repetitions.
+// ".../fwd/batch_invariant" rows: the forward in the batch-invariant mode.
 // Counters: TFLOPs (from the run's total event time), GBps, flop, bytes.
 // Large GEMMs are compute-bound: no L2 flush and no CUDA-graph replay needed.
 #include <benchmark/benchmark.h>
@@ -37,6 +38,7 @@
 #include "slime/core/random.hpp"
 #include "slime/core/stream.hpp"
 #include "slime/core/tensor.hpp"
+#include "slime/ops/batch_invariant.hpp"
 #include "slime/ops/linear.hpp"
 
 namespace {
@@ -190,7 +192,7 @@ void run_linear(benchmark::State& state, LinearShape s, Op op) {
   slime::bench::run_or_skip(state, [&] {
     Problem& p = problem(s);
     static std::map<std::string, std::string> verdicts;
-    const std::string id = std::string(s.model) + s.proj + op_name(op);
+    const std::string id = std::string(s.model) + s.proj + op_name(op) + (slime::ops::batch_invariant() ? "/bi" : "");
     if (!slime::bench::passed_check(state, verdicts, id, [&] { return check_once(p, op); })) return;
     const double t = slime::bench::time_batches(state, p.stream, kWarmup, kBatch, [&] { launch(p, op); });
     slime::bench::flop_byte_counters(state, t, flop(s), bytes(s, op));
@@ -207,6 +209,15 @@ int main(int argc, char** argv) {
           name, [s, op](benchmark::State& st) { run_linear(st, s, op); }, benchmark::kMicrosecond, kIterations,
           kRepetitions);
     }
+    // The forward in the batch-invariant mode (slime/ops/batch_invariant.hpp):
+    // slime's fixed-tile GEMM instead of cuBLAS, the mode's cost per GEMM.
+    slime::bench::register_manual(
+        std::string("linear/") + s.model + "/" + s.proj + "/fwd/batch_invariant",
+        [s](benchmark::State& st) {
+          slime::ops::BatchInvariantScope mode;
+          run_linear(st, s, Op::fwd);
+        },
+        benchmark::kMicrosecond, kIterations, kRepetitions);
   }
   const int rc = slime::bench::run_benchmarks(argc, argv);
   g_problem.reset();

@@ -124,7 +124,18 @@ struct OnPolicyGap {
   double max_diff = 0, mean_diff = 0;
 };
 
+// Fills 256 MiB of the device pool with NaN bits (0xff bytes) and frees it:
+// the next allocations (the engine's KV arena among them) reuse that memory,
+// so a buffer read before it is written shows as NaN instead of passing on
+// whatever the pool happened to hold.
+void poison_device_pool() {
+  Tensor t = Tensor::empty({int64_t(256) << 20}, DType::u8, Device::cuda(0));
+  t.fill_bytes_(0xff);
+  Stream::default_for(Device::cuda(0)).synchronize();
+}
+
 OnPolicyGap on_policy_gap(nn::Qwen3Model& m, int64_t max_batch, int n_requests, uint64_t seed) {
+  poison_device_pool();
   rollout::Engine engine(m, {.max_batch = max_batch, .max_context = 160, .kv_capacity = 0, .seed = seed});
   const auto reqs = requests(n_requests, 24);
   const auto out = engine.generate(reqs);

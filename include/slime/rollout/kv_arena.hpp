@@ -142,9 +142,14 @@ struct KvArena {
     capacity = rows;
     k.assign(std::size_t(layers), Tensor{});
     v.assign(std::size_t(layers), Tensor{});
+    // Zero-filled, not just allocated: the attention kernels load whole key
+    // blocks and mask the keys past a sequence (P = 0), but 0 · V is NaN where
+    // an unwritten row holds NaN bits (recycled pool memory), and that NaN
+    // reaches the sequence's output (src/ops/attention_fwd_sm90.cu: "V rows
+    // there must be finite"). Rows once written hold finite K and V.
     for (int64_t i = 0; i < layers; ++i) {
-      k[std::size_t(i)] = Tensor::empty({rows, kv_heads, head_dim}, dtype, device);
-      v[std::size_t(i)] = Tensor::empty({rows, kv_heads, head_dim}, dtype, device);
+      k[std::size_t(i)] = Tensor::zeros({rows, kv_heads, head_dim}, dtype, device);
+      v[std::size_t(i)] = Tensor::zeros({rows, kv_heads, head_dim}, dtype, device);
     }
   }
   void release() {
