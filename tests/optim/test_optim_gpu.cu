@@ -296,6 +296,7 @@ TEST_CASE("clip_factor on the GPU equals the host's norm and factor bit for bit,
     adamw_step(on_host, AdamWConfig{}, 1e-3, step, host_factor, s);
     adamw_step(on_device, AdamWConfig{}, 1e-3, step, 1.f, s, factor);
   }
+  s.synchronize();  // same_bits and norm_of copy on the default stream, which does not wait for s
   for (std::size_t i = 0; i < on_host.size(); ++i) {
     INFO("tensor " << i);
     CHECK(same_bits(on_host[i].param, on_device[i].param));
@@ -308,7 +309,9 @@ TEST_CASE("clip_factor on the GPU equals the host's norm and factor bit for bit,
   v[0] = std::numeric_limits<float>::quiet_NaN();
   std::vector<Tensor> with_nan = dev;
   with_nan[3] = Tensor::from_vector(v, dev[3].shape(), gpu());
+  Stream::default_for(gpu()).synchronize();  // uploaded on the default stream, read on s
   const Tensor& nan_factor = clip_factor(std::array{NormGroup{with_nan, nullptr}}, 1.0, gpu(), s, b);
+  s.synchronize();
   CHECK(std::isnan(norm_of(b)));
   CHECK(std::isnan(nan_factor.to_vector<float>(s)[0]));
   std::vector<AdamWTensors> skipped = fresh(2);
@@ -316,6 +319,7 @@ TEST_CASE("clip_factor on the GPU equals the host's norm and factor bit for bit,
   std::vector<AdamWTensors> skipped_before;
   for (const AdamWTensors& t : skipped) skipped_before.push_back(to_cpu(t));
   adamw_step(skipped, AdamWConfig{}, 1e-3, 1, 1.f, s, nan_factor);
+  s.synchronize();
   for (std::size_t i = 0; i < skipped.size(); ++i) {
     CHECK(same_bits(skipped[i].param, skipped_before[i].param));
     CHECK(same_bits(skipped[i].exp_avg, skipped_before[i].exp_avg));
