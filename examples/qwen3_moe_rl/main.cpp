@@ -79,7 +79,8 @@ int main(int argc, char** argv) {
     // Ranks as threads of this process (CPU: LocalComm; CUDA: one GPU each,
     // at most the visible GPUs), or one process per rank under torchrun,
     // mpirun (OpenMPI) or srun (Slurm).
-    const comm::Launch launch = comm::plan_launch({.device = o.device, .ranks = o.ranks, .fit_to_devices = true});
+    const comm::Launch launch =
+        comm::plan_launch({.device = o.device, .ranks = o.ranks, .fit_to_devices = true, .share_device = o.share_gpu});
     if (!launch.note.empty() && launch.has_rank_zero()) fmt::print("{}\n", launch.note);
     const std::optional<std::vector<StepReport>> reports =
         comm::run_ranks(launch, [&](comm::Comm& comm) { return run_rank(o, comm); });

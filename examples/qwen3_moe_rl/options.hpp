@@ -74,6 +74,7 @@ struct Options {
   bool offload = false;  // colocated: the policy's training state leaves the GPU while the engine generates, the
                          // engine's weights and the reference model while the policy trains
   int ranks = 2;
+  bool share_gpu = false;       // CUDA: all ranks on one GPU through LocalComm (comm::LaunchOptions::share_device)
   std::string device = "auto";  // auto | cpu | cuda
   // Output.
   std::string out_dir = "runs/qwen3_moe_rl";
@@ -232,6 +233,9 @@ struct Options {
         ->group(g);
     app.add_option("--ranks", ranks, "ranks as threads of this process (ignored under torchrun/mpirun/srun)")
         ->capture_default_str()
+        ->group(g);
+    app.add_flag("--share-gpu", share_gpu,
+                 "CUDA: run the --ranks ranks as threads on one GPU (LocalComm) instead of one GPU each")
         ->group(g);
     app.add_option("--device", device, "auto | cpu | cuda")->capture_default_str()->group(g);
     g = "Output";

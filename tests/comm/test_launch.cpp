@@ -66,6 +66,23 @@ TEST_CASE("plan_launch: NCCL threads, one GPU per rank") {
   CHECK_THAT(fit.note, ContainsSubstring("only 2 GPUs"));
 }
 
+TEST_CASE("plan_launch: ranks sharing one GPU through LocalComm") {
+  const Launch l = plan_launch({.device = "auto", .ranks = 3, .share_device = true}, env(1, true));
+  CHECK(l.mode == LaunchMode::local_cuda);
+  CHECK(l.world_size == 3);  // more ranks than GPUs, no note: that is the point
+  CHECK(l.note.empty());
+  CHECK(l.cuda());
+  CHECK(l.has_rank_zero());
+  CHECK(slime::comm::launch_mode_name(l.mode) == "local_cuda");
+  // On the CPU the ranks are CPU threads anyway; under a launcher it is ignored.
+  CHECK(plan_launch({.device = "auto", .ranks = 2, .share_device = true}, env(0, false)).mode ==
+        LaunchMode::local_threads);
+  CHECK(plan_launch({.device = "cuda", .ranks = 2, .share_device = true}, env(1, true, "torchrun", 0, 2)).mode ==
+        LaunchMode::processes);
+  CHECK_THAT(error_of([] { plan_launch({.device = "cuda", .ranks = 2, .share_device = true}, env(0, true)); }),
+             ContainsSubstring("no CUDA device is visible"));
+}
+
 TEST_CASE("plan_launch: one process per rank under a launcher") {
   const Launch l = plan_launch({.device = "auto", .ranks = 2}, env(1, true, "torchrun", 3, 8));
   CHECK(l.mode == LaunchMode::processes);

@@ -9,6 +9,8 @@
 //
 // Catch2 assertions stay on the test thread: rank functions return tensors
 // or record errors, and the test checks them after run_local_ranks joins.
+#include <cuda_runtime.h>
+
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/generators/catch_generators.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
@@ -19,6 +21,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -26,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "slime/comm/launch.hpp"
 #include "slime/comm/local_comm.hpp"
 #include "slime/core/memory.hpp"
 #include "slime/core/stream.hpp"
@@ -192,6 +196,34 @@ TEST_CASE("cuda group: device, backend, split inherits the device", "[comm][loca
       },
       kTimeout, kGpu);
   for (Device d : sub_device) CHECK(d == kGpu);
+}
+
+// comm::plan_launch's share_device (the RL example's --share-gpu): run_ranks
+// runs every rank on cuda:0 through LocalComm, with cuda:0 current.
+TEST_CASE("run_ranks with share_device: the ranks share cuda:0 through LocalComm", "[comm][local_comm][gpu]") {
+  if (cuda_device_count() == 0) SKIP("no CUDA device");
+  const Launch launch = plan_launch({.device = "cuda", .ranks = 3, .share_device = true});
+  REQUIRE(launch.mode == LaunchMode::local_cuda);
+  std::vector<Device> devices(3, Device::cpu());
+  std::vector<int> current(3, -1);
+  std::vector<std::string> backends(3);
+  const std::optional<std::vector<float>> sum = run_ranks(launch, [&](Comm& c) {
+    const std::size_t r = std::size_t(c.rank());
+    devices[r] = c.device();
+    backends[r] = c.backend();
+    int d = -1;
+    if (cudaGetDevice(&d) == cudaSuccess) current[r] = d;
+    Tensor t = Tensor::from_vector(std::vector<float>{float(c.rank() + 1), 0.5f}, {2}, c.device());
+    c.all_reduce(t, ReduceOp::sum);
+    return t.to_vector<float>();
+  });
+  REQUIRE(sum.has_value());
+  CHECK(*sum == std::vector<float>{6.f, 1.5f});
+  for (std::size_t r = 0; r < 3; ++r) {
+    CHECK(devices[r] == kGpu);
+    CHECK(backends[r] == "local");
+    CHECK(current[r] == 0);
+  }
 }
 
 TEST_CASE("cuda all_reduce in place equals the CPU group bitwise", "[comm][local_comm][gpu]") {

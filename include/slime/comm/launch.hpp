@@ -5,6 +5,9 @@
 //
 //   local_threads  ranks as CPU threads of this process (LocalComm)
 //   nccl_threads   ranks as threads of this process, rank r on cuda:r (NcclComm)
+//   local_cuda     ranks as threads of this process, all on cuda:0 (LocalComm
+//                  on CUDA tensors: LaunchOptions::share_device; several ranks
+//                  on one GPU, e.g. a 2-rank check where only one GPU is lent)
 //   processes      this process is one rank of a launcher's job, on the GPU
 //                  the launcher gives it (NcclComm::from_env)
 //
@@ -37,7 +40,7 @@
 
 namespace slime::comm {
 
-enum class LaunchMode : uint8_t { local_threads, nccl_threads, processes };
+enum class LaunchMode : uint8_t { local_threads, nccl_threads, processes, local_cuda };
 
 struct LaunchOptions {
   std::string device = "auto";  // auto (CUDA when a GPU is visible) | cpu | cuda
@@ -45,6 +48,10 @@ struct LaunchOptions {
   // CUDA threads with fewer visible GPUs than `ranks`: run one rank per
   // visible GPU (Launch::note says so) instead of failing.
   bool fit_to_devices = false;
+  // CUDA threads: every rank on cuda:0 through LocalComm (one process, any
+  // rank count) instead of one GPU per rank through NCCL. Ignored on the CPU
+  // and under a launcher.
+  bool share_device = false;
 };
 
 // What this process sees; tests build their own.
@@ -75,6 +82,8 @@ inline std::string_view launch_mode_name(LaunchMode m) {
       return "nccl_threads";
     case LaunchMode::processes:
       return "processes";
+    case LaunchMode::local_cuda:
+      return "local_cuda";
   }
   return "?";
 }
@@ -112,6 +121,10 @@ inline Launch plan_launch(const LaunchOptions& options, const LaunchEnvironment&
     l.note =
         ::slime::detail::concat("--ranks ", options.ranks, " ignored: ", env.process.launcher, " started one process");
   if (!cuda) return l;
+  if (options.share_device) {
+    l.mode = LaunchMode::local_cuda;
+    return l;
+  }
   l.mode = LaunchMode::nccl_threads;
   if (l.world_size > env.cuda_devices) {
     SLIME_CHECK(options.fit_to_devices, "--ranks ", l.world_size, " needs ", l.world_size, " GPUs (one per rank), ",
@@ -137,6 +150,11 @@ void start_ranks(const Launch& l, F&& fn) {
 #else
       SLIME_FAIL("run_ranks: CUDA ranks, but slime was built without CUDA");
 #endif
+    case LaunchMode::local_cuda:
+      // run_local_ranks makes cuda:0 current on each rank's thread.
+      run_local_ranks(
+          l.world_size, [&](Comm& c) { fn(c); }, kLocalCommTimeout, Device::cuda(0));
+      return;
     case LaunchMode::processes: {
       const std::unique_ptr<NcclComm> comm = NcclComm::from_env();
       const DeviceGuard guard(comm->device());
