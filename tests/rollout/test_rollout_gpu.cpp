@@ -120,7 +120,7 @@ namespace {
 // The engine's logprobs of its sampled tokens against the trainer's
 // recompute (one forward over every prompt + completion packed).
 struct OnPolicyGap {
-  int64_t tokens = 0, exact = 0, shown = 0;
+  int64_t tokens = 0, exact = 0;
   double max_diff = 0, mean_diff = 0;
 };
 
@@ -156,6 +156,7 @@ OnPolicyGap on_policy_gap(nn::Qwen3Model& m, int64_t max_batch, int n_requests, 
                       .logprobs.to_vector<float>();
   OnPolicyGap g;
   double sum = 0;
+  int shown = 0;
   for (std::size_t i = 0; i < reqs.size(); ++i) {
     const int64_t first = batch.cu_seqlens_host[i] + int64_t(reqs[i].prompt.size()) - 1;
     for (std::size_t j = 0; j < out[i].tokens.size(); ++j) {
@@ -166,8 +167,8 @@ OnPolicyGap on_policy_gap(nn::Qwen3Model& m, int64_t max_batch, int n_requests, 
       // Bitwise: the same float, compared as bytes.
       const bool same = std::memcmp(&trainer, &eng, 4) == 0;
       g.exact += same;
-      if (!same && g.shown < 4) {
-        ++g.shown;
+      if (!same && shown < 4) {  // the first few, with their bits
+        ++shown;
         uint32_t tb = 0, eb = 0;
         std::memcpy(&tb, &trainer, 4);
         std::memcpy(&eb, &eng, 4);
