@@ -43,15 +43,21 @@
 // order of additions varies; differences are fp32 rounding), unless
 // AttentionOptions::deterministic: then the key-block CTAs of a (sequence,
 // query head, query block, column split) add their dq partials in key-block
-// order, 0 first. A turn counter per query block (int32 in the workspace,
-// zeroed with the accumulator) says whose turn it is: the CTA of key block n
-// waits (thread 0, before the barrier that precedes its adds) until the
-// counter reads n, adds, fences, and passes the turn on after its next
-// barrier. Under causal and full masks the key blocks that see a query block
-// are 0..n_max, so the turn of key block n is n. No deadlock: the grid
-// launches key blocks in increasing blockIdx.x for each (sequence, kv head),
-// so a CTA only waits for CTAs that started before it. Cost: bench_attention's
-// /det rows.
+// order, the last one first. A turn counter per query block (int32 in the
+// workspace, zeroed with the accumulator) says whose turn it is: under causal
+// and full masks the key blocks that see query block m are 0..n_last(m), and
+// the CTA of key block n waits (thread 0, before the barrier that precedes
+// its adds) until the counter reads n_last(m) - n, adds, fences, and passes
+// the turn on after its next barrier. Why the last first: under the causal
+// mask key block n + 1 reaches query block m two steps before key block n
+// does (its first query block is two blocks later), so each CTA's turn has
+// already come when it asks and nobody waits; in key-block order (0 first,
+// as before 2026-12-07) the short last key blocks held their SMs waiting for
+// key block 0's whole walk down the sequence, and the deterministic backward
+// took 1.6-2.1x the time of the atomic one. No deadlock: the deterministic
+// grid maps blockIdx.x to key block gridDim.x - 1 - blockIdx.x, so for each
+// (sequence, kv head) the key blocks start last first and a CTA only waits
+// for CTAs that started before it. Cost: bench_attention's /det rows.
 //
 // Resources (ptxas -v, sm_90a, CUDA 13.0; regs / spill bytes / smem / CTAs
 // per SM; LDSM = ldmatrix.x4 per warp, counted in the SASS):
@@ -659,8 +665,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   float* sLse = reinterpret_cast<float*>(sdS + 2 * kBN * kStrideS);  // [2][kBM], log2 domain
   float* sDelta = sLse + 2 * kBM;                                    // [2][kBM]
 
-  // blockIdx.z = kv head * kSplits + column split.
-  const int n_block = blockIdx.x, b = blockIdx.y;
+  // blockIdx.z = kv head * kSplits + column split. blockIdx.x: key block
+  // (the deterministic dq: the last key block first; see Determinism above).
+  const int n_block = p.options.deterministic ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
+  const int b = blockIdx.y;
   const int hk = kSplits == 1 ? int(blockIdx.z) : int(blockIdx.z) / kSplits;
   const int c0 = kSplits == 1 ? 0 : int(blockIdx.z) % kSplits * kDO;
   const int q0 = p.cu_seqlens_q[b], len_q = p.cu_seqlens_q[b + 1] - q0;
@@ -699,6 +707,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int h = hk * group + s / n_m;
     const int row0 = (m_begin + s % n_m) * kBM;
     return dq_turns + (int64_t(q0 + row0) * p.heads_q + h) * 2 + (kSplits == 1 ? 0 : int(blockIdx.z) % kSplits);
+  };
+  // This key block's turn at step s: the key blocks after it that see the
+  // step's query block, whose last row R sees keys [0, key_end(R)), add first.
+  auto my_turn = [&](int s) {
+    const int last_row = min((m_begin + s % n_m) * kBM + kBM - 1, len_q - 1);
+    return (mask.key_end(last_row, len_k) - 1) / kBN - n_block;
   };
   const float scale_log2 = p.softmax_scale * kLog2e;
 
@@ -773,7 +787,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const int buf = it & 1;
     // Deterministic dq: step it - 1's adds (after this barrier) wait for
     // their turn; step it - 2's, fenced before it, pass the turn on.
-    if (dq_turns != nullptr && tid == 0 && it > 0) dq_turn_wait(turn_of(it - 1), n_block);
+    if (dq_turns != nullptr && tid == 0 && it > 0) dq_turn_wait(turn_of(it - 1), my_turn(it - 1));
     cp_async_wait<0>();  // this thread's copies for step it landed
     __syncthreads();
     if (dq_turns != nullptr && tid == 0 && it > 1) dq_turn_pass(turn_of(it - 2));

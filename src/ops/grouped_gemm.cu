@@ -55,6 +55,7 @@ void grouped_gemm_cublas(const GroupedGemmParams& p, StreamHandle stream);
 bool grouped_gemm_sm90_device();
 bool grouped_gemm_sm90_auto();
 bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts, DType out_dtype);
+GroupedGemmTile grouped_gemm_sm90_plain_tile(int64_t rows, int64_t n);
 void grouped_gemm_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream);
 void check_grouped_gemm_host_offsets(const int32_t* o, int64_t experts, int64_t rows);
 
@@ -498,6 +499,7 @@ GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p) {
   if (!tensor_core_ok(p)) return GroupedGemmTile::simple;
   const int64_t n_extent = p.pass == Pass::forward ? p.out_features : p.in_features;
   if (grouped_gemm_sm90_auto()) {
+    if (p.offsets == nullptr && p.pass == Pass::forward) return grouped_gemm_sm90_plain_tile(p.rows, n_extent);
     const GroupedGemmTile t =
         n_extent >= 256 && n_extent % 256 == 0 ? GroupedGemmTile::sm90_m128n256 : GroupedGemmTile::sm90_m128n128;
     if (grouped_gemm_sm90_fits(t, p.experts, p.out_dtype)) return t;
@@ -522,14 +524,14 @@ const char* grouped_gemm_tile_name(GroupedGemmTile t) {
       return "sm90_m128n256";
     case GroupedGemmTile::sm90_m128n128:
       return "sm90_m128n128";
+    case GroupedGemmTile::sm90_m128n64:
+      return "sm90_m128n64";
   }
   return "unknown";
 }
 
 namespace {
-bool is_sm90_tile(GroupedGemmTile t) {
-  return t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128;
-}
+bool is_sm90_tile(GroupedGemmTile t) { return grouped_gemm_tile_is_sm90(t); }
 }  // namespace
 
 bool grouped_gemm_tile_supported(GroupedGemmTile tile) { return !is_sm90_tile(tile) || grouped_gemm_sm90_device(); }

@@ -7,7 +7,7 @@
 //   backward_input   dy_g      K-major      w_e [out, in] MN-major   out
 //   backward_weight  dy_gᵀ     MN-major     x_g [n_e, in] MN-major   n_e
 //
-// CTA tile 128 x BN x 64 (BN = 256 or 128). Shared memory holds kStages
+// CTA tile 128 x BN x 64 (BN = 256, 128 or 64). Shared memory holds kStages
 // stages of [A 128 x 64 | B BN x 64], 128-byte swizzled (sm90.cuh): K-major
 // tiles are one TMA box [rows][64 k]; MN-major tiles are boxes [64 k][64 mn]
 // side by side, 8 KB each, so the A tile of either layout is two 8 KB halves
@@ -101,13 +101,16 @@ struct Sm90Tile {
   static constexpr int smem_bytes() {
     return kStages * kStageBytes + c_bytes<TOut>() + 1024;  // + alignment slack
   }
-  static_assert(BN == 128 || BN == 256, "wgmma m64n128 or m64n256 per consumer warpgroup");
+  static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma m64n64, m64n128 or m64n256 per consumer warpgroup");
   static_assert(smem_bytes<__nv_bfloat16>() * CtasPerSm <= 227 * 1024 && smem_bytes<float>() * CtasPerSm <= 227 * 1024,
                 "fits the 227 KB of shared memory of a Hopper SM");
 };
 // Resources (ptxas -v, CUDA 13.0, sm_90a): 90-167 registers, no spills.
 using Sm90M128N256 = Sm90Tile<256, 3, 1, true>;  // 144 KB of stages + 64 KB of staging (f32: 2 passes)
 using Sm90M128N128 = Sm90Tile<128, 4, 1, true>;  // 128 KB + 32 (bf16) or 64 (f32) KB of staging
+// Few rows (decode): each CTA streams its 64 weight rows alone, so it keeps
+// 7 stages (56 KB of weights) in flight.
+using Sm90M128N64 = Sm90Tile<64, 7, 1, true>;  // 168 KB + 16 (bf16) or 32 (f32) KB of staging
 
 template <Pass kPass>
 struct Sm90Layout {
@@ -136,8 +139,10 @@ __device__ __forceinline__ void mma_step(float (&d)[BN / 2], const unsigned char
   const uint64_t db = kBK ? make_desc_sw128(b + kk * 32, 16, 1024) : make_desc_sw128(b + kk * 2048, 8192, 1024);
   if constexpr (BN == 256) {
     wgmma_m64n256k16<kAK ? 0 : 1, kBK ? 0 : 1>(d, da, db, 1);
-  } else {
+  } else if constexpr (BN == 128) {
     wgmma_m64n128k16<kAK ? 0 : 1, kBK ? 0 : 1>(d, da, db, 1);
+  } else {
+    wgmma_m64n64k16<kAK ? 0 : 1, kBK ? 0 : 1>(d, da, db, 1);
   }
 }
 
@@ -505,6 +510,8 @@ void dispatch_sm90_tile(GroupedGemmTile tile, const GroupedGemmParams& p, cudaSt
       return launch_sm90<Sm90M128N256, kPass, TOut>(p, stream);
     case GroupedGemmTile::sm90_m128n128:
       return launch_sm90<Sm90M128N128, kPass, TOut>(p, stream);
+    case GroupedGemmTile::sm90_m128n64:
+      return launch_sm90<Sm90M128N64, kPass, TOut>(p, stream);
     default:
       SLIME_FAIL("grouped_gemm: ", grouped_gemm_tile_name(tile), " is not a Hopper tile");
   }
@@ -548,9 +555,23 @@ bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts, DType out_dty
       return fits(Sm90M128N256{});
     case GroupedGemmTile::sm90_m128n128:
       return fits(Sm90M128N128{});
+    case GroupedGemmTile::sm90_m128n64:
+      return fits(Sm90M128N64{});
     default:
       return false;
   }
+}
+
+// The tile of a plain forward GEMM (one group, no offsets) of `rows` x n: the
+// widest of n256 (n a multiple of 256), n128 and n64 whose tiles cover the
+// SMs, else n64. The width changes which CTA sums an output element, not the
+// order of the sum over K, so the bits do not depend on the choice (the
+// batch-invariant mode relies on it; grouped_gemm.hpp).
+GroupedGemmTile grouped_gemm_sm90_plain_tile(int64_t rows, int64_t n) {
+  const int64_t m_tiles = (rows + 127) / 128, sms = ::slime::ops::detail::tma::sm_count();
+  if (n % 256 == 0 && m_tiles * (n / 256) >= sms) return GroupedGemmTile::sm90_m128n256;
+  if (m_tiles * ((n + 127) / 128) >= sms) return GroupedGemmTile::sm90_m128n128;
+  return GroupedGemmTile::sm90_m128n64;
 }
 
 // Called by grouped_gemm (grouped_gemm.cu) after its checks, for a sm90 tile,

@@ -199,6 +199,73 @@ TEST_CASE("batch-invariant mode: MoE expert rows do not depend on the group size
   CHECK(ops::cuda::grouped_gemm_backend_for(p) == ops::cuda::GroupedGemmBackend::kernel);
 }
 
+TEST_CASE("the Hopper tiles of a plain GEMM give the same bits whatever their width", "[ops][gemm][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  if (!ops::cuda::grouped_gemm_tile_supported(ops::cuda::GroupedGemmTile::sm90_m128n256))
+    SKIP("the Hopper tiles need an sm_90a build on a compute capability 9.0 GPU");
+  using ops::cuda::GroupedGemmTile;
+  const Device d = Device::cuda(0);
+  const Stream s = Stream::create(d);
+  // The automatic choice: a narrow tile for few rows, n256 once its tiles cover the SMs.
+  {
+    ops::cuda::GroupedGemmParams q;
+    q.experts = 1;
+    q.out_features = 1024;
+    q.in_features = 1024;
+    q.rows = 1;
+    CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m128n64);
+    q.rows = 128 * 4 * 1024;
+    CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m128n256);
+  }
+  // (K, N): K with a partial last k-step (1000) and several; N with partial n tiles (200, 776).
+  const int64_t kn[][2] = {{64, 256}, {1000, 768}, {2048, 1024}, {136, 200}, {512, 776}};
+  const GroupedGemmTile tiles[] = {GroupedGemmTile::sm90_m128n256, GroupedGemmTile::sm90_m128n128,
+                                   GroupedGemmTile::sm90_m128n64};
+  uint64_t seed = 9100;
+  for (const auto& e : kn) {
+    for (int64_t rows : {1, 7, 300}) {
+      for (DType out_dt : {DType::bf16, DType::f32}) {
+        const int64_t K = e[0], N = e[1];
+        seed += 2;
+        const Tensor x = random_on({rows, K}, DType::bf16, d, seed, s);
+        const Tensor w = random_on({1, N, K}, DType::bf16, d, seed + 1, s);
+        std::vector<unsigned char> first;
+        for (GroupedGemmTile t : tiles) {
+          if (t == GroupedGemmTile::sm90_m128n256 && N % 256 != 0) continue;
+          INFO("K=" << K << " N=" << N << " rows " << rows << " out " << dtype_name(out_dt) << " tile "
+                    << ops::cuda::grouped_gemm_tile_name(t));
+          Tensor y = Tensor::empty({rows, N}, out_dt, d, s);
+          y.fill_bytes_(0xff, s);
+          ops::cuda::GroupedGemmParams p;
+          p.a = x.data_ptr();
+          p.b = w.data_ptr();
+          p.c = y.data_ptr();
+          p.out_dtype = out_dt;
+          p.experts = 1;
+          p.rows = rows;
+          p.out_features = N;
+          p.in_features = K;
+          p.tile = t;
+          ops::cuda::grouped_gemm(p, s.handle());
+          const auto got = bytes_of(y, s);
+          if (first.empty()) {
+            // Right, against the CPU reference (every element written: finite).
+            const auto xd = to_double(x, s), wd = to_double(w, s);
+            std::vector<double> ref(std::size_t(rows * N));
+            ops::cpu::linear_forward(xd.data(), wd.data(), rows, K, N, ref.data());
+            bool finite = false;
+            CHECK(relative_error(to_double(y, s), ref, finite) <= (out_dt == DType::bf16 ? 5e-3 : 1e-4));
+            CHECK(finite);
+            first = got;
+          } else {
+            CHECK(std::memcmp(got.data(), first.data(), got.size()) == 0);
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("grouped GEMM as a plain GEMM: null offsets, a row pitch and alpha", "[ops][gemm][gpu]") {
   if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
   const Device d = Device::cuda(0);

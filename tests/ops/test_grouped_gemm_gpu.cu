@@ -176,7 +176,7 @@ void check_case(const Case& c, uint64_t seed) {
   const bool tensor_cores = ops::cuda::grouped_gemm_tile_for(probe) != GroupedGemmTile::simple;
   if (tensor_cores) {
     for (GroupedGemmTile t : ops::cuda::kGroupedGemmTiles) {
-      const bool hopper = t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128;
+      const bool hopper = ops::cuda::grouped_gemm_tile_is_sm90(t);
       if (ops::cuda::grouped_gemm_tile_supported(t) && (hopper || !c.hopper_only)) tiles.push_back(t);
     }
   } else {

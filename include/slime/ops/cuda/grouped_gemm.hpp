@@ -77,10 +77,21 @@ enum class GroupedGemmTile : int {
   // 2 consumer warpgroups, CTA tile 128 x N x 64 (src/ops/grouped_gemm_sm90.cu)
   sm90_m128n256 = 4,  // 3 stages + a 64 KB epilogue staging buffer, persistent, 1 CTA / SM
   sm90_m128n128 = 5,  // 4 stages + a 32 / 64 KB staging buffer, persistent, 1 CTA / SM
+  // 7 stages + a 16 / 32 KB staging buffer, 1 CTA / SM: four times the n256
+  // tile's CTAs, for a plain GEMM of few rows (a decode step's projections
+  // in the batch-invariant mode, whose sums it leaves unchanged: see
+  // grouped_gemm_tile_for)
+  sm90_m128n64 = 6,
 };
-inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::m128n128k32, GroupedGemmTile::m128n256k64,
-                                                        GroupedGemmTile::m128n128k64, GroupedGemmTile::sm90_m128n256,
-                                                        GroupedGemmTile::sm90_m128n128};
+inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::m128n128k32,   GroupedGemmTile::m128n256k64,
+                                                        GroupedGemmTile::m128n128k64,   GroupedGemmTile::sm90_m128n256,
+                                                        GroupedGemmTile::sm90_m128n128, GroupedGemmTile::sm90_m128n64};
+
+// Whether `tile` is one of the Hopper (wgmma + TMA) tiles.
+inline constexpr bool grouped_gemm_tile_is_sm90(GroupedGemmTile t) {
+  return t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128 ||
+         t == GroupedGemmTile::sm90_m128n64;
+}
 
 // Whether `tile` can run on the current device: the sm90 tiles need this
 // library built for sm_90a and a device of compute capability 9.0; every
@@ -173,7 +184,13 @@ const char* grouped_gemm_backend_name(GroupedGemmBackend b);
 bool grouped_gemm_hopper_kernels();
 
 // The kernel grouped_gemm(p) runs: p.tile when forced, else the dispatcher's
-// choice by pass and shape (simple when the inputs need the fallback).
+// choice by pass and shape (simple when the inputs need the fallback). On the
+// Hopper kernels a plain forward GEMM (null offsets: the batch-invariant
+// Linear) of few rows takes a narrower tile (n128, n64) where the n256 tiles
+// would leave most SMs idle: the tile's width changes which CTA sums an
+// element, never the order of its sum over K (64-wide k-steps in order, each
+// four wgmma k16 steps into one fp32 accumulator), so the bits are the same
+// (test_batch_invariant_gpu checks every tile against the others).
 GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p);
 
 // "m128n256k64", ..., "simple", "automatic".
