@@ -68,6 +68,31 @@ inline nn::Qwen3Config moe_config() {
   return c;
 }
 
+// "rollout" (bench_rollout, bench/torch_rollout.py; test_rollout_gpu's
+// bitwise case at the benchmark configs): hidden 1024, 8 layers, 16 / 4
+// heads of 64, vocab 32000, rope_theta 1e6; dense: an MLP of intermediate
+// 3072; moe: 32 experts top-4 of moe_intermediate 384 (every layer sparse).
+inline nn::Qwen3Config rollout_config(bool moe) {
+  nn::Qwen3Config c;
+  if (moe) {
+    c.model_type = "qwen3_moe";
+    c.num_experts = 32;
+    c.num_experts_per_tok = 4;
+    c.moe_intermediate_size = 384;
+    c.norm_topk_prob = true;
+  }
+  c.vocab_size = 32000;
+  c.hidden_size = 1024;
+  c.intermediate_size = 3072;
+  c.num_hidden_layers = 8;
+  c.num_attention_heads = 16;
+  c.num_key_value_heads = 4;
+  c.head_dim = 64;
+  c.max_position_embeddings = 4096;
+  c.rope_theta = 1e6;
+  return c;
+}
+
 // Qwen3-VL-2B's vision tower (bench_vision_tower, bench_fsdp's
 // "vl2b_8layers"): depth 24, hidden 1024, 16 heads of 64, intermediate 4096,
 // 3 channels, patch 16, temporal patch 2, spatial merge 2, out_hidden 2048,

@@ -8,14 +8,14 @@
 // counter tokens_per_s = B * 64 / time. The ".../batch_invariant" rows run
 // the same in the batch-invariant mode (slime/ops/batch_invariant.hpp): its
 // cost beside the row before it.
-// Model "moe": the project's Qwen3-MoE benchmark config: hidden 1024, 8
-// layers, 16 heads / 4 KV heads, head_dim 64, 32 experts top-4,
-// moe_intermediate 384, vocab 32000. Model "dense": the same with a dense
-// MLP of intermediate 3072.
+// Models "dense" and "moe": bench_models.hpp's rollout_config (hidden 1024, 8
+// layers, 16 heads / 4 KV heads, head_dim 64, vocab 32000; a dense MLP of
+// intermediate 3072, or 32 experts top-4 of moe_intermediate 384).
 #include <chrono>
 #include <string>
 #include <vector>
 
+#include "bench_models.hpp"
 #include "bench_util.hpp"
 #include "slime/nn/qwen3.hpp"
 #include "slime/ops/batch_invariant.hpp"
@@ -26,27 +26,6 @@ namespace {
 using namespace slime;
 
 constexpr int64_t kPrompt = 64, kNew = 64;
-
-nn::Qwen3Config config(bool moe) {
-  nn::Qwen3Config c;
-  if (moe) {
-    c.model_type = "qwen3_moe";
-    c.num_experts = 32;
-    c.num_experts_per_tok = 4;
-    c.moe_intermediate_size = 384;
-    c.norm_topk_prob = true;
-  }
-  c.vocab_size = 32000;
-  c.hidden_size = 1024;
-  c.intermediate_size = 3072;
-  c.num_hidden_layers = 8;
-  c.num_attention_heads = 16;
-  c.num_key_value_heads = 4;
-  c.head_dim = 64;
-  c.max_position_embeddings = 4096;
-  c.rope_theta = 1e6;
-  return c;
-}
 
 std::vector<rollout::Request> requests(int64_t batch) {
   std::vector<rollout::Request> rs;
@@ -67,7 +46,7 @@ void decode(benchmark::State& state, bool moe, int64_t batch, bool invariant) {
     static nn::Qwen3Model* models[2] = {nullptr, nullptr};
     nn::Qwen3Model*& model = models[moe ? 1 : 0];
     if (model == nullptr) {
-      model = new nn::Qwen3Model(config(moe), {Device::cuda(0), DType::bf16});
+      model = new nn::Qwen3Model(bench::rollout_config(moe), {Device::cuda(0), DType::bf16});
       model->init_random(1, 0.02f);
     }
     rollout::Engine engine(*model, {.max_batch = batch, .max_context = kPrompt + kNew, .kv_capacity = 0, .seed = 1});

@@ -530,11 +530,9 @@ const char* grouped_gemm_tile_name(GroupedGemmTile t) {
   return "unknown";
 }
 
-namespace {
-bool is_sm90_tile(GroupedGemmTile t) { return grouped_gemm_tile_is_sm90(t); }
-}  // namespace
-
-bool grouped_gemm_tile_supported(GroupedGemmTile tile) { return !is_sm90_tile(tile) || grouped_gemm_sm90_device(); }
+bool grouped_gemm_tile_supported(GroupedGemmTile tile) {
+  return !grouped_gemm_tile_is_sm90(tile) || grouped_gemm_sm90_device();
+}
 
 namespace {
 
@@ -548,9 +546,9 @@ void run_kernels(const GroupedGemmParams& p, StreamHandle stream) {
   if (p.rows == 0 || p.out_features == 0 || p.in_features == 0) {
     // Nothing to sum: y / dx are [rows, 0] or get zeros (in_features = 0).
     if (p.pass == Pass::backward_weight || p.rows == 0 || p.accumulate) return;
-    if (is_sm90_tile(tile)) tile = GroupedGemmTile::m128n128k32;  // zeros: nothing for TMA to load
+    if (grouped_gemm_tile_is_sm90(tile)) tile = GroupedGemmTile::m128n128k32;  // zeros: nothing for TMA to load
   }
-  if (is_sm90_tile(tile)) {
+  if (grouped_gemm_tile_is_sm90(tile)) {
     SLIME_CHECK(grouped_gemm_sm90_fits(tile, p.experts, p.out_dtype), "grouped_gemm: tile ",
                 grouped_gemm_tile_name(tile),
                 " supports up to about 1000-8000 experts (its shared-memory tile table), got ", p.experts);

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../../bench/bench_models.hpp"
 #include "slime/comm/nccl_comm.hpp"
 #include "slime/core/host_sync.hpp"
 #include "slime/core/memory.hpp"
@@ -229,30 +230,16 @@ TEST_CASE("CUDA engine in the batch-invariant mode: logprobs equal the trainer's
   }
 }
 
-// The same at the rollout benchmark's model configs (bench/bench_rollout.cpp:
-// hidden 1024, 8 layers, 16 / 4 heads of 64, vocab 32000; dense MLP 3072 or
-// 32 experts top-4 of 384), randomly initialised: GEMMs wide enough that
+// The same at the rollout benchmark's model configs (bench_models.hpp's
+// rollout_config: hidden 1024, 8 layers, 16 / 4 heads of 64, vocab 32000;
+// dense MLP 3072 or 32 experts top-4 of 384), randomly initialised: GEMMs wide enough that
 // decode, prefill and the trainer's batch take different tile widths
 // (n64 / n128 / n256) and the MoE blocks hold rows of many experts.
 TEST_CASE("CUDA engine in the batch-invariant mode at the benchmark configs: bitwise logprobs", "[rollout][gpu]") {
   if (cuda_device_count() == 0) SKIP("no CUDA device");
   ops::BatchInvariantScope mode;
   for (bool moe : {false, true}) {
-    nn::Qwen3Config c = gpu_config();
-    c.vocab_size = 32000;
-    c.hidden_size = 1024;
-    c.intermediate_size = 3072;
-    c.num_hidden_layers = 8;
-    c.num_attention_heads = 16;
-    c.num_key_value_heads = 4;
-    if (moe) {
-      c.model_type = "qwen3_moe";
-      c.num_experts = 32;
-      c.num_experts_per_tok = 4;
-      c.moe_intermediate_size = 384;
-      c.norm_topk_prob = true;
-    }
-    nn::Qwen3Model m(c, {Device::cuda(0), DType::bf16});
+    nn::Qwen3Model m(bench::rollout_config(moe), {Device::cuda(0), DType::bf16});
     m.init_random(17, 0.02f);
     for (int64_t max_batch : {1, 7, 64}) {
       INFO((moe ? "MoE" : "dense") << " benchmark config, engine max_batch " << max_batch);
