@@ -51,6 +51,8 @@
 
 #include "grouped_gemm_common.cuh"
 #include "slime/core/error.hpp"
+#include "slime/core/memory.hpp"
+#include "slime/core/stream.hpp"
 #include "slime/ops/cuda/grouped_gemm.hpp"
 #include "sm90.cuh"
 #include "tensor_map.hpp"
@@ -73,9 +75,20 @@ using Pass = GroupedGemmPass;
 // StagedStore: the epilogue writes full tiles through a shared-memory buffer
 // and TMA stores (coalesced, asynchronous: the consumers go on with the next
 // tile while the copy engine drains it), where the buffer fits in 64 KB.
-template <int BN, int Stages, int CtasPerSm, bool StagedStore>
+// K chunks of a plain GEMM (the batch-invariant Linear, null offsets): each
+// chunk of kKChunkTiles k-steps (256 of K) is summed in a fresh accumulator
+// and the chunk sums are added in order, ((0 + c0) + c1) + ..., so that a call
+// of few rows can give each chunk its own CTA (an f32 partial per chunk, then
+// sum_k_splits_kernel adds them in the same order) and still equal, bit for
+// bit, a call of many rows in which one CTA sums all chunks of a tile.
+constexpr int kKChunkTiles = 4;
+
+template <int BN, int Stages, int CtasPerSm, bool StagedStore, bool Chunked = false>
 struct Sm90Tile {
   static constexpr int kBM = 128, kBN = BN, kBK = 64;
+  // Chunked: a second accumulator set (the running total), BN / 2 more
+  // registers: BN <= 128.
+  static constexpr bool kChunked = Chunked;
   static constexpr int kConsumers = 256, kThreads = kConsumers + 32;
   static constexpr int kCtasPerSm = CtasPerSm;
   static constexpr int kBox = 64 * 64 * 2;               // one [64][64] bf16 box, 8 KB
@@ -102,6 +115,7 @@ struct Sm90Tile {
     return kStages * kStageBytes + c_bytes<TOut>() + 1024;  // + alignment slack
   }
   static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma m64n64, m64n128 or m64n256 per consumer warpgroup");
+  static_assert(!Chunked || BN <= 128, "the chunked sum keeps two accumulator sets: BN <= 128");
   static_assert(smem_bytes<__nv_bfloat16>() * CtasPerSm <= 227 * 1024 && smem_bytes<float>() * CtasPerSm <= 227 * 1024,
                 "fits the 227 KB of shared memory of a Hopper SM");
 };
@@ -111,6 +125,9 @@ using Sm90M128N128 = Sm90Tile<128, 4, 1, true>;  // 128 KB + 32 (bf16) or 64 (f3
 // Few rows (decode): each CTA streams its 64 weight rows alone, so it keeps
 // 7 stages (56 KB of weights) in flight.
 using Sm90M128N64 = Sm90Tile<64, 7, 1, true>;  // 168 KB + 16 (bf16) or 32 (f32) KB of staging
+// The plain GEMM's tiles (K chunks, above).
+using Sm90M128N128Chunked = Sm90Tile<128, 4, 1, true, true>;
+using Sm90M128N64Chunked = Sm90Tile<64, 7, 1, true, true>;
 
 template <Pass kPass>
 struct Sm90Layout {
@@ -125,6 +142,10 @@ struct Sm90Params {
   int m_tiles, n_tiles;  // backward_weight: per expert; others: n-tiles per m-tile
   int64_t ldc;           // forward / backward_input: the row pitch of c
   bool accumulate;
+  // forward: CTAs per output tile along K (1: one sums all of K; > 1: split
+  // s sums K chunk s alone into partial [k_splits][rows][out_f] f32).
+  int k_splits;
+  float* partial;
 };
 
 // Bytes of the per-CTA tile table (tile_start and row_start, E + 1 ints each)
@@ -150,6 +171,7 @@ __device__ __forceinline__ void mma_step(float (&d)[BN / 2], const unsigned char
 // k row), the m / n origin and the extents left past them.
 struct Sm90TileCoord {
   int group, m0, n0, a_row, k_len, m_valid, n_valid;
+  int split, kt_begin, kt_end;  // the K split and its k-steps [kt_begin, kt_end)
 };
 
 // tile_start[e] = tiles of the groups before e (tile_start[E] = all);
@@ -169,7 +191,13 @@ __device__ __forceinline__ Sm90TileCoord locate(const int* tile_start, const int
   }
   Sm90TileCoord c;
   c.group = lo;
-  const int local = t - tile_start[lo], r0 = row_start[lo], n_e = row_start[lo + 1] - r0;
+  int local = t - tile_start[lo];
+  const int r0 = row_start[lo], n_e = row_start[lo + 1] - r0;
+  c.split = 0;
+  if constexpr (kPass == Pass::forward) {
+    c.split = local % p.k_splits;
+    local /= p.k_splits;
+  }
   c.m0 = (local / p.n_tiles) * T::kBM;
   c.n0 = (local % p.n_tiles) * T::kBN;
   if constexpr (kPass == Pass::backward_weight) {
@@ -182,6 +210,13 @@ __device__ __forceinline__ Sm90TileCoord locate(const int* tile_start, const int
     c.k_len = kPass == Pass::forward ? p.in_f : p.out_f;
     c.m_valid = n_e - c.m0;
     c.n_valid = (kPass == Pass::forward ? p.out_f : p.in_f) - c.n0;
+  }
+  const int k_tiles = (c.k_len + T::kBK - 1) / T::kBK;
+  c.kt_begin = 0;
+  c.kt_end = k_tiles;
+  if (kPass == Pass::forward && p.k_splits > 1) {
+    c.kt_begin = min(c.split * kKChunkTiles, k_tiles);
+    c.kt_end = min(c.kt_begin + kKChunkTiles, k_tiles);
   }
   return c;
 }
@@ -229,7 +264,9 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
       const int r0 = group_offset(p.offsets, e, p.rows), n = group_offset(p.offsets, e + 1, p.rows) - r0;
       if (n < 0) QuietTrap{}("offsets decrease", e, r0, r0 + n);
       row_start[e] = r0;
-      tiles = kPass == Pass::backward_weight ? (n > 0 ? p.m_tiles * p.n_tiles : 0) : (n + kBM - 1) / kBM * p.n_tiles;
+      tiles = kPass == Pass::backward_weight
+                  ? (n > 0 ? p.m_tiles * p.n_tiles : 0)
+                  : (n + kBM - 1) / kBM * p.n_tiles * (kPass == Pass::forward ? p.k_splits : 1);
     }
     const int incl = warp_inclusive_scan(tiles, lane);
     if (lane == 31) s_scan[warp] = incl;
@@ -260,8 +297,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
       int it = 0;  // k-steps this CTA has issued: the position in the stage ring
       for (int t = int(blockIdx.x); t < total_tiles; t += int(gridDim.x)) {
         const Sm90TileCoord tc = locate<T, kPass>(tile_start, row_start, p, t);
-        const int k_tiles = (tc.k_len + kBK - 1) / kBK;
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        for (int kt = tc.kt_begin; kt < tc.kt_end; ++kt, ++it) {
           const int s = it % kStages;
           mbar_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
           unsigned char* sa = smem + s * T::kStageBytes;
@@ -294,11 +330,29 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
     int it = 0;
     for (int t = int(blockIdx.x); t < total_tiles; t += int(gridDim.x)) {
       const Sm90TileCoord tc = locate<T, kPass>(tile_start, row_start, p, t);
-      const int k_tiles = (tc.k_len + kBK - 1) / kBK;
+      const int k_steps = tc.kt_end - tc.kt_begin;
       float acc[T::kAcc];
+      float total[T::kChunked ? T::kAcc : 1];  // chunked: the sum of the finished chunks
 #pragma unroll
       for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.f;
-      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      if constexpr (T::kChunked) {
+#pragma unroll
+        for (int i = 0; i < T::kAcc; ++i) total[i] = 0.f;
+      }
+      for (int kt = tc.kt_begin; kt < tc.kt_end; ++kt, ++it) {
+        if constexpr (T::kChunked) {
+          // A new chunk: add the last one (all its wgmmas done) to the total
+          // and start from zeros.
+          if (kt > tc.kt_begin && kt % kKChunkTiles == 0) {
+            wgmma_wait<0>();
+            fence_registers(acc);
+#pragma unroll
+            for (int i = 0; i < T::kAcc; ++i) {
+              total[i] += acc[i];
+              acc[i] = 0.f;
+            }
+          }
+        }
         const int s = it % kStages;
         mbar_wait(&full_bar[s], (it / kStages) & 1);
         unsigned char* sa = smem + s * T::kStageBytes;
@@ -325,11 +379,33 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
         wgmma_commit();
         wgmma_wait<1>();
         fence_registers(acc);
-        if (kt > 0) mbar_arrive(&empty_bar[(it - 1) % kStages]);
+        if (kt > tc.kt_begin) mbar_arrive(&empty_bar[(it - 1) % kStages]);
       }
       wgmma_wait<0>();
       fence_registers(acc);
-      if (k_tiles > 0) mbar_arrive(&empty_bar[(it - 1) % kStages]);
+      if (k_steps > 0) mbar_arrive(&empty_bar[(it - 1) % kStages]);
+      if constexpr (T::kChunked) {
+#pragma unroll
+        for (int i = 0; i < T::kAcc; ++i) acc[i] = total[i] + acc[i];  // the last chunk; acc holds the result
+      }
+
+      // ---- a K split's partial: f32, direct stores (sum_k_splits_kernel adds them in order)
+      if (kPass == Pass::forward && p.k_splits > 1) {
+        float* gP = p.partial + (int64_t(tc.split) * p.rows + tc.a_row) * p.out_f + tc.n0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 64 * c + 16 * wq + (lane >> 2) + 8 * h;
+          if (row >= tc.m_valid) continue;
+#pragma unroll
+          for (int j = 0; j < BN / 8; ++j) {
+            const int col = 8 * j + 2 * (lane & 3);
+            if (col < tc.n_valid)
+              *reinterpret_cast<float2*>(gP + int64_t(row) * p.out_f + col) =
+                  make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          }
+        }
+        continue;
+      }
 
       // ---- epilogue
       // Staged (full tiles; wgrad's 3-D dw map clips rows and columns past
@@ -452,7 +528,7 @@ CUtensorMap map_dw(void* base, uint64_t in_f, uint64_t out_f, uint64_t experts) 
 int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 template <class T, Pass kPass, class TOut>
-void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
+void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream, int k_splits = 1, float* partial = nullptr) {
   constexpr int BN = T::kBN;
   const uint64_t rows = uint64_t(p.rows), in_f = uint64_t(p.in_features), out_f = uint64_t(p.out_features),
                  experts = uint64_t(p.experts);
@@ -473,6 +549,8 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   kp.out_f = int(p.out_features);
   kp.in_f = int(p.in_features);
   kp.accumulate = p.accumulate;
+  kp.k_splits = k_splits;
+  kp.partial = partial;
   kp.ldc = grouped_gemm_output_pitch(p);
   int64_t ctas;  // an upper bound of the tiles
   if constexpr (kPass == Pass::forward) {
@@ -491,7 +569,7 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
     ctas = p.experts * kp.m_tiles * kp.n_tiles;
   } else {
     kp.n_tiles = ceil_div(kPass == Pass::forward ? p.out_features : p.in_features, BN);
-    ctas = (int64_t(ceil_div(p.rows, T::kBM)) + p.experts) * kp.n_tiles;
+    ctas = (int64_t(ceil_div(p.rows, T::kBM)) + p.experts) * kp.n_tiles * k_splits;
   }
   SLIME_CHECK(ctas < INT_MAX, "grouped_gemm: ", ctas, " tiles do not fit in int32");
   if (ctas == 0) return;
@@ -503,8 +581,67 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
+// c[r, j] = (0 + partial[0][r][j]) + partial[1][r][j] + ... (the order in
+// which one CTA adds its chunk sums), rounded once to TOut.
+template <class TOut>
+__global__ void sum_k_splits_kernel(const float* __restrict__ partial, TOut* c, int splits, int64_t rows, int64_t n,
+                                    int64_t ldc) {
+  const int64_t total = rows * n;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    float t = 0.f;
+    for (int s = 0; s < splits; ++s) t += partial[int64_t(s) * total + i];
+    TOut* dst = c + (i / n) * ldc + i % n;
+    if constexpr (std::is_same_v<TOut, float>) {
+      *dst = t;
+    } else {
+      *dst = __float2bfloat16_rn(t);
+    }
+  }
+}
+
+// Most K splits of a plain GEMM (their f32 partials: splits x rows x n x 4
+// bytes, transient); a longer K runs unsplit.
+constexpr int kMaxKSplits = 32;
+
+// A plain forward GEMM (null offsets: the batch-invariant Linear) on the
+// chunked tiles; with n64 and fewer tiles than SMs, one CTA per K chunk
+// (f32 partials in a stream-ordered buffer, then sum_k_splits_kernel).
+template <class TOut>
+void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream) {
+  SLIME_CHECK(tile == GroupedGemmTile::sm90_m128n128 || tile == GroupedGemmTile::sm90_m128n64,
+              "grouped_gemm: a plain GEMM (null offsets) runs the sm90_m128n128 or sm90_m128n64 tile (its K chunks "
+              "keep a second accumulator set), not ",
+              grouped_gemm_tile_name(tile));
+  if (tile == GroupedGemmTile::sm90_m128n128) return launch_sm90<Sm90M128N128Chunked, Pass::forward, TOut>(p, stream);
+  const int64_t tiles = ceil_div(p.rows, 128) * int64_t(ceil_div(p.out_features, 64));
+  const int64_t chunks = ceil_div(ceil_div(p.in_features, 64), kKChunkTiles);
+  if (tiles >= ::slime::ops::detail::tma::sm_count() || chunks < 2 || chunks > kMaxKSplits)
+    return launch_sm90<Sm90M128N64Chunked, Pass::forward, TOut>(p, stream);
+  int device = 0;
+  SLIME_CUDA_CHECK(cudaGetDevice(&device));
+  const Stream st = Stream::borrow(Device::cuda(device), stream);
+  const std::size_t bytes = std::size_t(chunks) * std::size_t(p.rows) * std::size_t(p.out_features) * sizeof(float);
+  struct Buffer {
+    const Stream& st;
+    std::size_t bytes;
+    void* ptr;
+    ~Buffer() { deallocate(MemoryKind::device, ptr, bytes, st); }
+  } partial{st, bytes, allocate(MemoryKind::device, bytes, st)};
+  launch_sm90<Sm90M128N64Chunked, Pass::forward, TOut>(p, stream, int(chunks), static_cast<float*>(partial.ptr));
+  constexpr int kThreads = 256;
+  const int64_t total = p.rows * p.out_features;
+  const unsigned blocks = unsigned(std::min<int64_t>((total + kThreads - 1) / kThreads, 132 * 8));
+  sum_k_splits_kernel<TOut><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(partial.ptr),
+                                                             static_cast<TOut*>(p.c), int(chunks), p.rows,
+                                                             p.out_features, grouped_gemm_output_pitch(p));
+  SLIME_CUDA_CHECK_LAUNCH();
+}
+
 template <Pass kPass, class TOut>
 void dispatch_sm90_tile(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream) {
+  if constexpr (kPass == Pass::forward) {
+    if (p.offsets == nullptr) return launch_plain_sm90<TOut>(tile, p, stream);
+  }
   switch (tile) {
     case GroupedGemmTile::sm90_m128n256:
       return launch_sm90<Sm90M128N256, kPass, TOut>(p, stream);
@@ -562,14 +699,13 @@ bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts, DType out_dty
   }
 }
 
-// The tile of a plain forward GEMM (one group, no offsets) of `rows` x n: the
-// widest of n256 (n a multiple of 256), n128 and n64 whose tiles cover the
-// SMs, else n64. The width changes which CTA sums an output element, not the
-// order of the sum over K, so the bits do not depend on the choice (the
-// batch-invariant mode relies on it; grouped_gemm.hpp).
+// The tile of a plain forward GEMM (one group, no offsets) of `rows` x n:
+// n128 where its tiles cover the SMs, else n64 (whose calls of few rows also
+// split K: launch_plain_sm90). The width changes which CTA sums an output
+// element, not the order of the sum over K, so the bits do not depend on the
+// choice (the batch-invariant mode relies on it; grouped_gemm.hpp).
 GroupedGemmTile grouped_gemm_sm90_plain_tile(int64_t rows, int64_t n) {
   const int64_t m_tiles = (rows + 127) / 128, sms = ::slime::ops::detail::tma::sm_count();
-  if (n % 256 == 0 && m_tiles * (n / 256) >= sms) return GroupedGemmTile::sm90_m128n256;
   if (m_tiles * ((n + 127) / 128) >= sms) return GroupedGemmTile::sm90_m128n128;
   return GroupedGemmTile::sm90_m128n64;
 }

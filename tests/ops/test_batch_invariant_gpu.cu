@@ -6,7 +6,8 @@
 // reference, tolerances as in test_linear_gpu / test_grouped_gemm_gpu).
 //
 // Also the grouped GEMM's plain-GEMM form under the mode: null offsets (one
-// group of all rows) equal an explicit single group bit for bit, a row pitch
+// group of all rows) equal an explicit single group bit for bit (for K <= 256,
+// one K chunk: longer K sums in chunks on Hopper), a row pitch
 // (ldc) larger than the row leaves the padding untouched, alpha scales the
 // stored result, and bad combinations throw.
 #include <catch2/catch_test_macros.hpp>
@@ -199,14 +200,14 @@ TEST_CASE("batch-invariant mode: MoE expert rows do not depend on the group size
   CHECK(ops::cuda::grouped_gemm_backend_for(p) == ops::cuda::GroupedGemmBackend::kernel);
 }
 
-TEST_CASE("the Hopper tiles of a plain GEMM give the same bits whatever their width", "[ops][gemm][gpu]") {
+TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchanged", "[ops][gemm][gpu]") {
   if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
-  if (!ops::cuda::grouped_gemm_tile_supported(ops::cuda::GroupedGemmTile::sm90_m128n256))
+  if (!ops::cuda::grouped_gemm_tile_supported(ops::cuda::GroupedGemmTile::sm90_m128n128))
     SKIP("the Hopper tiles need an sm_90a build on a compute capability 9.0 GPU");
   using ops::cuda::GroupedGemmTile;
   const Device d = Device::cuda(0);
   const Stream s = Stream::create(d);
-  // The automatic choice: a narrow tile for few rows, n256 once its tiles cover the SMs.
+  // The automatic choice: n64 for few rows, n128 once its tiles cover the SMs (never n256).
   {
     ops::cuda::GroupedGemmParams q;
     q.experts = 1;
@@ -215,54 +216,63 @@ TEST_CASE("the Hopper tiles of a plain GEMM give the same bits whatever their wi
     q.rows = 1;
     CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m128n64);
     q.rows = 128 * 4 * 1024;
-    CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m128n256);
+    CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m128n128);
   }
-  // (K, N): K with a partial last k-step (1000) and several; N with partial n tiles (200, 776).
+  auto run = [&](const Tensor& x, const Tensor& w, DType out_dt, GroupedGemmTile tile) {
+    Tensor y = Tensor::empty({x.shape()[0], w.shape()[1]}, out_dt, d, s);
+    y.fill_bytes_(0xff, s);
+    ops::cuda::GroupedGemmParams p;
+    p.a = x.data_ptr();
+    p.b = w.data_ptr();
+    p.c = y.data_ptr();
+    p.out_dtype = out_dt;
+    p.experts = 1;
+    p.rows = x.shape()[0];
+    p.out_features = w.shape()[1];
+    p.in_features = w.shape()[2];
+    p.tile = tile;
+    ops::cuda::grouped_gemm(p, s.handle());
+    return y;
+  };
+  // The big batch: 2200 rows, so that N >= 1024 runs n128 unsplit; its first
+  // rows again as 1, 7 and 300 rows (n64, K split where the tiles are few) and
+  // with each tile forced. (K, N): one K chunk (64), a partial last k-step and
+  // chunk (1000), 8 chunks (2048); partial n tiles (200, 776).
   const int64_t kn[][2] = {{64, 256}, {1000, 768}, {2048, 1024}, {136, 200}, {512, 776}};
-  const GroupedGemmTile tiles[] = {GroupedGemmTile::sm90_m128n256, GroupedGemmTile::sm90_m128n128,
-                                   GroupedGemmTile::sm90_m128n64};
+  constexpr int64_t kBig = 2200;
   uint64_t seed = 9100;
   for (const auto& e : kn) {
-    for (int64_t rows : {1, 7, 300}) {
-      for (DType out_dt : {DType::bf16, DType::f32}) {
-        const int64_t K = e[0], N = e[1];
-        seed += 2;
-        const Tensor x = random_on({rows, K}, DType::bf16, d, seed, s);
-        const Tensor w = random_on({1, N, K}, DType::bf16, d, seed + 1, s);
-        std::vector<unsigned char> first;
-        for (GroupedGemmTile t : tiles) {
-          if (t == GroupedGemmTile::sm90_m128n256 && N % 256 != 0) continue;
-          INFO("K=" << K << " N=" << N << " rows " << rows << " out " << dtype_name(out_dt) << " tile "
-                    << ops::cuda::grouped_gemm_tile_name(t));
-          Tensor y = Tensor::empty({rows, N}, out_dt, d, s);
-          y.fill_bytes_(0xff, s);
-          ops::cuda::GroupedGemmParams p;
-          p.a = x.data_ptr();
-          p.b = w.data_ptr();
-          p.c = y.data_ptr();
-          p.out_dtype = out_dt;
-          p.experts = 1;
-          p.rows = rows;
-          p.out_features = N;
-          p.in_features = K;
-          p.tile = t;
-          ops::cuda::grouped_gemm(p, s.handle());
-          const auto got = bytes_of(y, s);
-          if (first.empty()) {
-            // Right, against the CPU reference (every element written: finite).
-            const auto xd = to_double(x, s), wd = to_double(w, s);
-            std::vector<double> ref(std::size_t(rows * N));
-            ops::cpu::linear_forward(xd.data(), wd.data(), rows, K, N, ref.data());
-            bool finite = false;
-            CHECK(relative_error(to_double(y, s), ref, finite) <= (out_dt == DType::bf16 ? 5e-3 : 1e-4));
-            CHECK(finite);
-            first = got;
-          } else {
-            CHECK(std::memcmp(got.data(), first.data(), got.size()) == 0);
-          }
+    const int64_t K = e[0], N = e[1];
+    seed += 2;
+    const Tensor x = random_on({kBig, K}, DType::bf16, d, seed, s);
+    const Tensor w = random_on({1, N, K}, DType::bf16, d, seed + 1, s);
+    for (DType out_dt : {DType::bf16, DType::f32}) {
+      INFO("K=" << K << " N=" << N << " out " << dtype_name(out_dt));
+      const Tensor big = run(x, w, out_dt, GroupedGemmTile::automatic);
+      const auto want = bytes_of(big, s);
+      const std::size_t row_bytes = std::size_t(N) * dtype_size(out_dt);
+      {  // right, against the CPU reference, on the first 300 rows (every element written: finite)
+        const Tensor head = x.slice_rows(0, 300);
+        const auto xd = to_double(head, s), wd = to_double(w, s);
+        std::vector<double> ref(std::size_t(300 * N));
+        ops::cpu::linear_forward(xd.data(), wd.data(), 300, K, N, ref.data());
+        bool finite = false;
+        CHECK(relative_error(to_double(big.slice_rows(0, 300), s), ref, finite) <=
+              (out_dt == DType::bf16 ? 5e-3 : 1e-4));
+        CHECK(finite);
+      }
+      for (int64_t rows : {1, 7, 300}) {
+        for (GroupedGemmTile t :
+             {GroupedGemmTile::automatic, GroupedGemmTile::sm90_m128n128, GroupedGemmTile::sm90_m128n64}) {
+          INFO(rows << " rows, tile " << ops::cuda::grouped_gemm_tile_name(t));
+          const auto got = bytes_of(run(x.slice_rows(0, rows), w, out_dt, t), s);
+          CHECK(std::memcmp(got.data(), want.data(), std::size_t(rows) * row_bytes) == 0);
         }
       }
     }
+    // n256 keeps one accumulator set: it cannot chunk K, so a plain GEMM refuses it.
+    CHECK_THROWS_WITH(run(x.slice_rows(0, 7), w, DType::bf16, GroupedGemmTile::sm90_m128n256),
+                      ContainsSubstring("runs the sm90_m128n128 or sm90_m128n64 tile"));
   }
 }
 

@@ -12,13 +12,14 @@
 // construction, and the mode changes nothing there):
 //   - ops::cuda::gemm of the forward form C = alpha · A · Bᵀ (Linear's
 //     forward, the LM head's logits chunks) runs slime's own tiled GEMM
-//     (ops::cuda::grouped_gemm with one group, no split-K) instead of cuBLAS,
-//     whose kernel choice depends on M. Each output element is summed over K
-//     in one fixed order (64-wide k-steps in turn into one fp32 accumulator)
-//     whatever M is; on Hopper a call of few rows (a decode step) takes a
-//     narrower tile (n128, n64) so that its weight rows spread over the SMs,
-//     which moves the sums between CTAs without changing them. The backward
-//     GEMMs stay on cuBLAS (they feed no logprob).
+//     (ops::cuda::grouped_gemm with one group) instead of cuBLAS, whose
+//     kernel choice depends on M. Each output element is summed over K in
+//     one fixed order whatever M is (on Hopper: chunks of 256 of K, each in
+//     a fresh fp32 accumulator, the chunk sums added in order); a call of
+//     few rows (a decode step) takes a narrower tile and gives each K chunk
+//     its own CTA, so that its weight rows spread over the SMs, which moves
+//     the sums between CTAs without changing them. The backward GEMMs stay
+//     on cuBLAS (they feed no logprob).
 //   - the grouped GEMM of the MoE experts never takes the cuBLAS backend
 //     (its host offsets are ignored): the kernels' tiles depend on the
 //     feature sizes only, not on the group sizes.

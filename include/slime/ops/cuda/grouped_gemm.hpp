@@ -111,7 +111,8 @@ struct GroupedGemmParams {
   const void* b = nullptr;  //
   void* c = nullptr;        //
   // [experts + 1], device; null: one group of all rows (experts must be 1),
-  // a plain GEMM on the kernels (the batch-invariant Linear forward).
+  // a plain GEMM on the kernels (the batch-invariant Linear forward; on
+  // Hopper its sums over K run in chunks: see grouped_gemm_tile_for).
   const int32_t* offsets = nullptr;
   DType in_dtype = DType::bf16;   // a and b: bf16 or f32
   DType out_dtype = DType::bf16;  // c: in_dtype or f32 (f32 for backward_weight)
@@ -186,11 +187,13 @@ bool grouped_gemm_hopper_kernels();
 // The kernel grouped_gemm(p) runs: p.tile when forced, else the dispatcher's
 // choice by pass and shape (simple when the inputs need the fallback). On the
 // Hopper kernels a plain forward GEMM (null offsets: the batch-invariant
-// Linear) of few rows takes a narrower tile (n128, n64) where the n256 tiles
-// would leave most SMs idle: the tile's width changes which CTA sums an
-// element, never the order of its sum over K (64-wide k-steps in order, each
-// four wgmma k16 steps into one fp32 accumulator), so the bits are the same
-// (test_batch_invariant_gpu checks every tile against the others).
+// Linear) sums each element over K in chunks of 256 (each chunk in a fresh
+// fp32 accumulator, 64-wide k-steps in order; the chunk sums added in order)
+// on the n128 tile, or on n64 where n128's tiles would leave SMs idle; with
+// fewer n64 tiles than SMs (a decode step) each chunk gets its own CTA and an
+// f32 partial, added in the same order afterwards. The tile's width and the
+// split change which CTA sums what, never the order of a sum, so the bits are
+// the same (test_batch_invariant_gpu checks them against each other).
 GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p);
 
 // "m128n256k64", ..., "simple", "automatic".
