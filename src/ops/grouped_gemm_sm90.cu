@@ -51,8 +51,6 @@
 
 #include "grouped_gemm_common.cuh"
 #include "slime/core/error.hpp"
-#include "slime/core/memory.hpp"
-#include "slime/core/stream.hpp"
 #include "slime/ops/cuda/grouped_gemm.hpp"
 #include "sm90.cuh"
 #include "tensor_map.hpp"
@@ -605,7 +603,7 @@ constexpr int kMaxKSplits = 32;
 
 // A plain forward GEMM (null offsets: the batch-invariant Linear) on the
 // chunked tiles; with n64 and fewer tiles than SMs, one CTA per K chunk
-// (f32 partials in a stream-ordered buffer, then sum_k_splits_kernel).
+// (f32 partials in p.workspace where they fit, then sum_k_splits_kernel).
 template <class TOut>
 void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream) {
   SLIME_CHECK(tile == GroupedGemmTile::sm90_m128n128 || tile == GroupedGemmTile::sm90_m128n64,
@@ -617,22 +615,16 @@ void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStr
   const int64_t chunks = ceil_div(ceil_div(p.in_features, 64), kKChunkTiles);
   if (tiles >= ::slime::ops::detail::tma::sm_count() || chunks < 2 || chunks > kMaxKSplits)
     return launch_sm90<Sm90M128N64Chunked, Pass::forward, TOut>(p, stream);
-  int device = 0;
-  SLIME_CUDA_CHECK(cudaGetDevice(&device));
-  const Stream st = Stream::borrow(Device::cuda(device), stream);
   const std::size_t bytes = std::size_t(chunks) * std::size_t(p.rows) * std::size_t(p.out_features) * sizeof(float);
-  struct Buffer {
-    const Stream& st;
-    std::size_t bytes;
-    void* ptr;
-    ~Buffer() { deallocate(MemoryKind::device, ptr, bytes, st); }
-  } partial{st, bytes, allocate(MemoryKind::device, bytes, st)};
-  launch_sm90<Sm90M128N64Chunked, Pass::forward, TOut>(p, stream, int(chunks), static_cast<float*>(partial.ptr));
+  if (p.workspace == nullptr || bytes > p.workspace_bytes)
+    return launch_sm90<Sm90M128N64Chunked, Pass::forward, TOut>(p, stream);
+  float* partial = static_cast<float*>(p.workspace);
+  launch_sm90<Sm90M128N64Chunked, Pass::forward, TOut>(p, stream, int(chunks), partial);
   constexpr int kThreads = 256;
   const int64_t total = p.rows * p.out_features;
-  const unsigned blocks = unsigned(std::min<int64_t>((total + kThreads - 1) / kThreads, 132 * 8));
-  sum_k_splits_kernel<TOut><<<blocks, kThreads, 0, stream>>>(static_cast<const float*>(partial.ptr),
-                                                             static_cast<TOut*>(p.c), int(chunks), p.rows,
+  const unsigned blocks = unsigned(
+      std::min<int64_t>((total + kThreads - 1) / kThreads, int64_t(::slime::ops::detail::tma::sm_count()) * 8));
+  sum_k_splits_kernel<TOut><<<blocks, kThreads, 0, stream>>>(partial, static_cast<TOut*>(p.c), int(chunks), p.rows,
                                                              p.out_features, grouped_gemm_output_pitch(p));
   SLIME_CUDA_CHECK_LAUNCH();
 }

@@ -66,6 +66,16 @@ class ThreadHandles {
     }
   }
 
+  // This thread's workspace on `device` (current on entry), created with
+  // its handle: the batch-invariant GEMM's K-split partials use it in
+  // cuBLAS's stead, ordered on the stream of the call like cuBLAS's own use.
+  void* workspace(int device) {
+    SLIME_CHECK(device >= 0 && device < int(slots_.size()), "CUDA device index ", device, " out of range");
+    HandleSlot& s = slots_[std::size_t(device)];
+    if (s.handle == nullptr) create(device, s);
+    return s.workspace;
+  }
+
   // The handle for `device` (current on entry), bound to `stream` with this
   // slot's workspace.
   cublasHandle_t get(int device, cudaStream_t stream) {
@@ -108,6 +118,11 @@ class ThreadHandles {
   std::array<HandleSlot, ::slime::detail::kMaxDevices> slots_{};
 };
 
+ThreadHandles& thread_handles() {
+  thread_local ThreadHandles handles;
+  return handles;
+}
+
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
     case DType::bf16:
@@ -145,6 +160,8 @@ bool batch_invariant_gemm(const GemmParams& p, int device, StreamHandle stream) 
   g.ldc = p.ldc == p.n ? 0 : p.ldc;
   g.alpha = p.alpha;
   DeviceGuard guard(Device::cuda(device));
+  g.workspace = thread_handles().workspace(device);
+  g.workspace_bytes = kCublasWorkspaceBytes;
   grouped_gemm(g, stream);
   return true;
 }
@@ -175,8 +192,7 @@ void gemm(const GemmParams& p, int device, StreamHandle stream) {
     return;
   }
 
-  thread_local ThreadHandles handles;
-  cublasHandle_t h = handles.get(device, stream);
+  cublasHandle_t h = thread_handles().get(device, stream);
   const cublasComputeType_t compute =
       p.ab_dtype == DType::f32 && p.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, and a

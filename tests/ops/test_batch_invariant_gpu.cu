@@ -218,7 +218,11 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
     q.rows = 128 * 4 * 1024;
     CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m128n128);
   }
-  auto run = [&](const Tensor& x, const Tensor& w, DType out_dt, GroupedGemmTile tile) {
+  // Scratch for the K split's f32 partials (as Linear passes its cuBLAS
+  // workspace); without it, or where the partials do not fit, the call runs
+  // unsplit.
+  const Tensor workspace = Tensor::empty({int64_t(8) << 20}, DType::f32, d, s);
+  auto run = [&](const Tensor& x, const Tensor& w, DType out_dt, GroupedGemmTile tile, std::size_t ws_bytes = 0) {
     Tensor y = Tensor::empty({x.shape()[0], w.shape()[1]}, out_dt, d, s);
     y.fill_bytes_(0xff, s);
     ops::cuda::GroupedGemmParams p;
@@ -231,6 +235,8 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
     p.out_features = w.shape()[1];
     p.in_features = w.shape()[2];
     p.tile = tile;
+    p.workspace = ws_bytes > 0 ? workspace.data_ptr() : nullptr;
+    p.workspace_bytes = ws_bytes;
     ops::cuda::grouped_gemm(p, s.handle());
     return y;
   };
@@ -264,9 +270,12 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
       for (int64_t rows : {1, 7, 300}) {
         for (GroupedGemmTile t :
              {GroupedGemmTile::automatic, GroupedGemmTile::sm90_m128n128, GroupedGemmTile::sm90_m128n64}) {
-          INFO(rows << " rows, tile " << ops::cuda::grouped_gemm_tile_name(t));
-          const auto got = bytes_of(run(x.slice_rows(0, rows), w, out_dt, t), s);
-          CHECK(std::memcmp(got.data(), want.data(), std::size_t(rows) * row_bytes) == 0);
+          // No workspace (unsplit), one too small for 2 chunks (unsplit), a full one (split where few tiles).
+          for (std::size_t ws : {std::size_t(0), std::size_t(rows * N * 4), std::size_t(32) << 20}) {
+            INFO(rows << " rows, tile " << ops::cuda::grouped_gemm_tile_name(t) << ", workspace " << ws << " bytes");
+            const auto got = bytes_of(run(x.slice_rows(0, rows), w, out_dt, t, ws), s);
+            CHECK(std::memcmp(got.data(), want.data(), std::size_t(rows) * row_bytes) == 0);
+          }
         }
       }
     }

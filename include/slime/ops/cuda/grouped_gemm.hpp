@@ -132,6 +132,12 @@ struct GroupedGemmParams {
   // Forces a backend for this call (over set_grouped_gemm_backend and the
   // environment). A forced tile always runs the kernels.
   GroupedGemmBackend backend = GroupedGemmBackend::automatic;
+  // forward plain GEMM (null offsets) on the Hopper kernels only: device
+  // scratch, ordered on the call's stream, for the f32 partials of a K split
+  // (chunks x rows x out_features x 4 bytes). A split that does not fit, or
+  // no workspace, runs unsplit: slower for few rows, the same bits.
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 
 // The row pitch of c in elements that p asks for: p.ldc, or the row length
