@@ -141,32 +141,37 @@ __device__ __forceinline__ void issue_pv(float (&o)[kD / 2], const uint32_t (&p)
 // the consumers walk the same tiles and compute the same Tile, so they agree
 // on which tiles load anything.
 struct Sm90FwdTileInfo {
-  int b, h, q0, len_q, k0, len_k, row0;
-  int full_end, n_blocks;  // keys [0, full_end) seen by every row; key blocks to visit
-  bool has_rows;           // row0 < len_q: the tile stores rows
+  int b, h, q0, len_q, k0, len_k, row0;  // packed: h is the kv head
+  int rows;                              // the tile's sequence's rows: len_q, or len_q x group when packed
+  int full_end, n_blocks;                // keys [0, full_end) seen by every row; key blocks to visit
+  bool has_rows;                         // row0 < len_q: the tile stores rows
 };
 
 template <int kBM, int kBN, class Mask>
-__device__ __forceinline__ Sm90FwdTileInfo sm90_fwd_tile(const AttentionForwardParams& p, int t, int m_blocks) {
+__device__ __forceinline__ Sm90FwdTileInfo sm90_fwd_tile(const AttentionForwardParams& p, int t, int m_blocks,
+                                                         int group) {
   Sm90FwdTileInfo ti;
-  const int per_m = p.num_seqs * p.heads_q;
+  const int heads = group > 0 ? p.heads_kv : p.heads_q;
+  const int per_m = p.num_seqs * heads;
   const int m_block = m_blocks - 1 - t / per_m;
   const int r = t % per_m;
-  ti.b = r / p.heads_q;
-  ti.h = r % p.heads_q;
+  ti.b = r / heads;
+  ti.h = r % heads;
   ti.q0 = p.cu_seqlens_q[ti.b];
   ti.len_q = p.cu_seqlens_q[ti.b + 1] - ti.q0;
   ti.k0 = p.cu_seqlens_k[ti.b];
   ti.len_k = p.cu_seqlens_k[ti.b + 1] - ti.k0;
+  ti.rows = group > 0 ? ti.len_q * group : ti.len_q;
   ti.row0 = m_block * kBM;
-  ti.has_rows = ti.row0 < ti.len_q;
+  ti.has_rows = ti.row0 < ti.rows;
   ti.full_end = 0;
   ti.n_blocks = 0;
   if (ti.has_rows) {
+    // Packed, every row is query row 0 of its (one-row) sequence.
     const Mask mask = make_mask<Mask>(p.options, ti.len_q, ti.len_k);
-    const int rows_here = min(kBM, ti.len_q - ti.row0);
-    const int key_end = mask.key_end(ti.row0 + rows_here - 1, ti.len_k);
-    ti.full_end = mask.key_end(ti.row0, ti.len_k);
+    const int rows_here = min(kBM, ti.rows - ti.row0);
+    const int key_end = mask.key_end(group > 0 ? 0 : ti.row0 + rows_here - 1, ti.len_k);
+    ti.full_end = mask.key_end(group > 0 ? 0 : ti.row0, ti.len_k);
     ti.n_blocks = (key_end + kBN - 1) / kBN;
   }
   return ti;
@@ -182,7 +187,7 @@ template <int kD, int kStagesT, class Mask>
 __global__ void __launch_bounds__(Sm90FwdTile<kD, kStagesT>::kThreads, 1)
     attention_fwd_sm90_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                               const __grid_constant__ CUtensorMap map_v, const AttentionForwardParams p,
-                              const int m_blocks, const int num_tiles) {
+                              const int m_blocks, const int num_tiles, const int group) {
 #if SLIME_SM90A
   using T = Sm90FwdTile<kD, kStagesT>;
   constexpr int kBM = T::kBM, kBN = T::kBN, kStages = T::kStages, kBoxes = T::kBoxes;
@@ -231,19 +236,28 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD, kStagesT>::kThreads, 1)
       for (int round = 0;; ++round) {
         const int t = snake_tile(round);
         if (t >= num_tiles) break;
-        const Sm90FwdTileInfo ti = sm90_fwd_tile<kBM, kBN, Mask>(p, t, m_blocks);
+        const Sm90FwdTileInfo ti = sm90_fwd_tile<kBM, kBN, Mask>(p, t, m_blocks, group);
         if (ti.row0 == 0 && ti.h == 0) {
           check_sequence(p.cu_seqlens_q, ti.b, p.num_seqs, p.tokens_q, ti.len_q, p.max_seqlen_q);
           check_sequence(p.cu_seqlens_k, ti.b, p.num_seqs, p.tokens_k, ti.len_k, 0x7fffffff);
         }
         if (ti.n_blocks == 0) continue;
-        const int hk = ti.h / (p.heads_q / p.heads_kv);
+        const int hk = group > 0 ? ti.h : ti.h / (p.heads_q / p.heads_kv);
         mbar_wait(&q_empty, (q_loads & 1) ^ 1);
         ++q_loads;
-        mbar_arrive_expect_tx(&q_full, T::kQBytes);
+        if (group > 0) {
+          // The query row's heads hk x group ... + group - 1: boxes of {64, group, 1}
+          // (rows past them in sQ keep stale values: computed, never stored).
+          mbar_arrive_expect_tx(&q_full, kBoxes * group * 128);
 #pragma unroll
-        for (int j = 0; j < kBoxes; ++j)
-          tma_load_3d(sQ + j * (kBM * 128), &map_q, &q_full, 64 * j, ti.h, ti.q0 + ti.row0);
+          for (int j = 0; j < kBoxes; ++j)
+            tma_load_3d(sQ + j * (kBM * 128), &map_q, &q_full, 64 * j, hk * group, ti.q0);
+        } else {
+          mbar_arrive_expect_tx(&q_full, T::kQBytes);
+#pragma unroll
+          for (int j = 0; j < kBoxes; ++j)
+            tma_load_3d(sQ + j * (kBM * 128), &map_q, &q_full, 64 * j, ti.h, ti.q0 + ti.row0);
+        }
         for (int i = 0; i < ti.n_blocks; ++i, ++kv) {
           const int s = kv % kStages;
           const uint32_t parity = ((kv / kStages) & 1) ^ 1;
@@ -279,7 +293,7 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD, kStagesT>::kThreads, 1)
   for (int round = 0;; ++round) {
     const int t = snake_tile(round);
     if (t >= num_tiles) break;
-    const Sm90FwdTileInfo ti = sm90_fwd_tile<kBM, kBN, Mask>(p, t, m_blocks);
+    const Sm90FwdTileInfo ti = sm90_fwd_tile<kBM, kBN, Mask>(p, t, m_blocks, group);
     if (!ti.has_rows) continue;  // the same on every thread
     const Mask mask = make_mask<Mask>(p.options, ti.len_q, ti.len_k);
     const int n_blocks = ti.n_blocks, full_end = ti.full_end, len_k = ti.len_k;
@@ -307,7 +321,7 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD, kStagesT>::kThreads, 1)
             for (int e = 0; e < 4; ++e) {
               const int row = row_base + 8 * (e >> 1);
               const int key = n * kBN + 8 * j + 2 * (lane & 3) + (e & 1);
-              if (key >= mask.key_end(row, len_k)) s[4 * j + e] = -INFINITY;
+              if (key >= mask.key_end(group > 0 ? 0 : row, len_k)) s[4 * j + e] = -INFINITY;
             }
         }
 #pragma unroll
@@ -401,21 +415,26 @@ __global__ void __launch_bounds__(Sm90FwdTile<kD, kStagesT>::kThreads, 1)
     // Epilogue: o = acc / l, lse = ln 2 * (m * scale_log2 + log2 l); a row with
     // no visible key (l = 0) gets o = 0, lse = -inf. Rows past the sequence
     // are not stored.
+    // Row r of the tile is query row r of head h, or (packed) row 0 of head
+    // h x group + r.
     const int64_t q_stride = int64_t(p.heads_q) * kD;
-    bf16* gO = static_cast<bf16*>(p.o) + int64_t(ti.q0) * q_stride + int64_t(ti.h) * kD;
+    const int64_t row_pitch = group > 0 ? kD : q_stride;
+    const int head0 = group > 0 ? ti.h * group : ti.h;
+    bf16* gO = static_cast<bf16*>(p.o) + int64_t(ti.q0) * q_stride + int64_t(head0) * kD;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(l_i[r]);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       const float lse = l > 0.f ? (m_i[r] * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
       const int row = row_base + 8 * r;
-      if (row < ti.len_q) {
-        bf16* o_row = gO + int64_t(row) * q_stride;
+      if (row < ti.rows) {
+        bf16* o_row = gO + int64_t(row) * row_pitch;
 #pragma unroll
         for (int j = 0; j < kD / 8; ++j)
           *reinterpret_cast<uint32_t*>(o_row + 8 * j + 2 * (lane & 3)) =
               pack_bf16(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-        if ((lane & 3) == 0) p.lse[int64_t(ti.q0 + row) * p.heads_q + ti.h] = lse;
+        if ((lane & 3) == 0)
+          p.lse[group > 0 ? int64_t(ti.q0) * p.heads_q + head0 + row : int64_t(ti.q0 + row) * p.heads_q + ti.h] = lse;
       }
     }
   }
@@ -432,22 +451,40 @@ CUtensorMap map_heads(const void* base, int64_t tokens, int64_t heads, int d, in
   return ::slime::ops::detail::tma::make_heads_map("attention (Hopper forward)", base, tokens, heads, d, rows);
 }
 
+// The query heads packed into one tile (AttentionOptions::pack_gqa): a call
+// of at most one query row per sequence (a decode step) with heads_q / heads_kv
+// = group > 1 runs one tile per (sequence, kv head) whose rows are that row
+// of the group's heads, instead of a 128-row tile per query head holding one
+// row: group x fewer tiles, and each K/V block is read once per kv head. 0:
+// not packed.
+// SLIME_ATTENTION_PACK_GQA=0 turns it off in every call (for A/B timing).
+int packed_group(const AttentionForwardParams& p, int bm) {
+  static const bool env_on = ::slime::ops::detail::attention_sm90::env_switch("SLIME_ATTENTION_PACK_GQA", true);
+  if (!env_on || !p.options.pack_gqa || p.max_seqlen_q != 1 || p.heads_kv <= 0) return 0;
+  const int group = p.heads_q / p.heads_kv;
+  return group > 1 && group <= bm ? group : 0;
+}
+
 template <int kD, int kStages, class Mask>
 void launch_sm90(const AttentionForwardParams& p, cudaStream_t stream) {
   using T = Sm90FwdTile<kD, kStages>;
-  const CUtensorMap mq = map_heads(p.q, p.tokens_q, p.heads_q, kD, T::kBM);
+  const int group = packed_group(p, T::kBM);
+  const CUtensorMap mq = group > 0 ? ::slime::ops::detail::tma::make_heads_map(
+                                         "attention (Hopper forward, packed heads)", p.q, p.tokens_q, p.heads_q, kD,
+                                         /*rows=*/1, /*heads_per_box=*/group)
+                                   : map_heads(p.q, p.tokens_q, p.heads_q, kD, T::kBM);
   const CUtensorMap mk = map_heads(p.k, p.tokens_k, p.heads_kv, kD, T::kBN);
   const CUtensorMap mv = map_heads(p.v, p.tokens_k, p.heads_kv, kD, T::kBN);
   auto kernel = attention_fwd_sm90_kernel<kD, kStages, Mask>;
   SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
   // Persistent: one CTA per SM (its shared memory allows no second), each
   // taking one tile per round of gridDim.x tiles.
-  const int64_t m_blocks = (int64_t(p.max_seqlen_q) + T::kBM - 1) / T::kBM;
-  const int64_t tiles = m_blocks * p.num_seqs * p.heads_q;
+  const int64_t m_blocks = group > 0 ? 1 : (int64_t(p.max_seqlen_q) + T::kBM - 1) / T::kBM;
+  const int64_t tiles = m_blocks * p.num_seqs * (group > 0 ? p.heads_kv : p.heads_q);
   SLIME_CHECK(tiles <= 0x7fffffff, "attention (Hopper forward): ", tiles, " tiles of ", T::kBM,
               " query rows exceed the kernel's int tile index");
   const int grid = int(std::min<int64_t>(tiles, ::slime::ops::detail::tma::sm_count()));
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(mq, mk, mv, p, int(m_blocks), int(tiles));
+  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(mq, mk, mv, p, int(m_blocks), int(tiles), group);
   SLIME_CUDA_CHECK_LAUNCH();
 }
 

@@ -44,12 +44,15 @@ inline CUtensorMap make_tensor_map(const char* what, const void* base, int rank,
 }
 
 // A bf16 [tokens, heads, d] tensor (the attention kernels' q, k, v, o, dO) as
-// a 3-D map (d, heads, tokens) with boxes of {64, 1, rows}: a box never
-// crosses heads, and rows past the tensor are zero-filled.
-inline CUtensorMap make_heads_map(const char* what, const void* base, int64_t tokens, int64_t heads, int d, int rows) {
+// a 3-D map (d, heads, tokens) with boxes of {64, heads_per_box, rows}: with
+// one head per box a box never crosses heads, and rows past the tensor are
+// zero-filled. (The Hopper forward's packed decode loads {64, group, 1}: one
+// token's heads of a kv group.)
+inline CUtensorMap make_heads_map(const char* what, const void* base, int64_t tokens, int64_t heads, int d, int rows,
+                                  int heads_per_box = 1) {
   const uint64_t dims[3] = {uint64_t(d), uint64_t(heads), uint64_t(tokens)};
   const uint64_t strides[2] = {uint64_t(d) * 2, uint64_t(heads) * uint64_t(d) * 2};
-  const uint32_t box[3] = {64, 1, uint32_t(rows)};
+  const uint32_t box[3] = {64, uint32_t(heads_per_box), uint32_t(rows)};
   return make_tensor_map(what, base, 3, dims, strides, box);
 }
 

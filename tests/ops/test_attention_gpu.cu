@@ -324,6 +324,100 @@ TEST_CASE("attention on CUDA: the deterministic backward gives the same dq bits 
   }
 }
 
+// A decode step (one query row per sequence against its cache) must give the
+// bits of the training forward's last row of each sequence (issue 20: the
+// engine's logprobs equal the trainer's). On Hopper the decode call runs with
+// a kv group's heads packed into one tile (AttentionOptions::pack_gqa); the
+// test also compares it with the unpacked call, and checks o and lse against
+// the CPU. Key lengths around the 128-key block (1, 127, 128, 129, 300), a
+// sequence without a decode row, GQA groups 2, 4, 8 and 16, causal (offset 0
+// and -3: the decode row then sees all but its last 3 keys) and full masks.
+TEST_CASE("attention on CUDA: a decode step gives the bits of the training forward's last rows",
+          "[ops][attention][gpu]") {
+  if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
+  const Device dev = Device::cuda(0);
+  const std::vector<int32_t> lens = {1, 127, 128, 129, 300, 40, 257};
+  const std::vector<int32_t> cu_k = prefix(lens);
+  const int64_t B = int64_t(lens.size()), Tk = cu_k.back();
+  const Tensor tcu_k = Tensor::from_vector(cu_k, {B + 1}, dev);
+  struct Mask {
+    const char* name;
+    bool causal;
+    int offset;
+  };
+  uint64_t seed = 7000;
+  for (AttentionKernel kernel : {AttentionKernel::automatic, AttentionKernel::mma_sync}) {
+    for (int64_t d : {64, 128}) {
+      for (int64_t group : {2, 4, 8, 16}) {
+        for (const Mask& m : {Mask{"causal", true, 0}, Mask{"causal offset -3", true, -3}, Mask{"full", false, 0}}) {
+          const int64_t hkv = group == 16 ? 1 : 2, hq = hkv * group;
+          INFO((kernel == AttentionKernel::mma_sync ? "mma_sync" : "automatic")
+               << ", head_dim " << d << ", " << hq << " heads over " << hkv << ", " << m.name);
+          seed += 4;
+          const Tensor q = random_bf16({Tk, hq, d}, seed, dev);
+          const Tensor k = random_bf16({Tk, hkv, d}, seed + 1, dev);
+          const Tensor v = random_bf16({Tk, hkv, d}, seed + 2, dev);
+          // Training: every row of every sequence (top-left: row i sees keys <= i + offset).
+          AttentionOptions train;
+          train.causal = m.causal;
+          train.causal_offset = m.offset;
+          train.kernel = kernel;
+          const Tensor o_all = Tensor::empty(q.shape(), DType::bf16, dev),
+                       lse_all = Tensor::empty({Tk, hq}, DType::f32, dev);
+          attention_forward(q, k, v, tcu_k, tcu_k, 300, 300, o_all, lse_all, train);
+          // Decode: each sequence's last row, except sequence 5's (no query row), against all its keys
+          // (bottom-right: the row is the cache's last position).
+          std::vector<int32_t> dec_lens, last_rows;
+          for (int64_t b = 0; b < B; ++b) {
+            dec_lens.push_back(b == 5 ? 0 : 1);
+            if (b != 5) last_rows.push_back(cu_k[std::size_t(b + 1)] - 1);
+          }
+          const int64_t T = int64_t(last_rows.size());
+          const std::vector<BFloat16> hq_all = q.to_vector<BFloat16>();
+          std::vector<BFloat16> hq_dec;
+          for (int32_t r : last_rows)
+            hq_dec.insert(hq_dec.end(), hq_all.begin() + r * hq * d, hq_all.begin() + (r + 1) * hq * d);
+          const Tensor q_dec = Tensor::from_vector(hq_dec, {T, hq, d}, dev);
+          const Tensor tcu_q = Tensor::from_vector(prefix(dec_lens), {B + 1}, dev);
+          AttentionOptions dec = train;
+          dec.align = CausalAlign::bottom_right;
+          auto decode = [&](bool pack) {
+            AttentionOptions o = dec;
+            o.pack_gqa = pack;
+            auto out = std::make_pair(Guarded({T, hq, d}, DType::bf16, dev), Guarded({T, hq}, DType::f32, dev));
+            attention_forward(q_dec, k, v, tcu_q, tcu_k, 1, 300, out.first.t, out.second.t, o);
+            CHECK(out.first.tail_intact());
+            CHECK(out.second.tail_intact());
+            return std::make_pair(host_floats(out.first.t), host_floats(out.second.t));
+          };
+          const auto packed = decode(true), unpacked = decode(false);
+          // The training rows at the decode rows' positions.
+          const std::vector<float> go = host_floats(o_all), glse = host_floats(lse_all);
+          std::vector<float> want_o, want_lse;
+          for (int32_t r : last_rows) {
+            want_o.insert(want_o.end(), go.begin() + r * hq * d, go.begin() + (r + 1) * hq * d);
+            want_lse.insert(want_lse.end(), glse.begin() + r * hq, glse.begin() + (r + 1) * hq);
+          }
+          auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+          };
+          CHECK(same_bits(packed.first, want_o));
+          CHECK(same_bits(packed.second, want_lse));
+          CHECK(same_bits(unpacked.first, want_o));
+          CHECK(same_bits(unpacked.second, want_lse));
+          // And right: against the CPU on the decode call itself.
+          std::vector<float> ro(packed.first.size()), rlse(packed.second.size());
+          const std::vector<float> hk = host_floats(k), hv = host_floats(v), hqd = host_floats(q_dec);
+          cpu::attention_forward(hqd.data(), hk.data(), hv.data(), prefix(dec_lens).data(), cu_k.data(), B, hq, hkv, d,
+                                 dec, ro.data(), rlse.data());
+          CHECK(rel_err(packed.first, ro) <= 1e-2);
+          CHECK(lse_err(packed.second, rlse) <= 1e-3);
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("merge_attention_partials on CUDA matches the CPU", "[ops][attention][gpu]") {
   if (slime::cuda_device_count() == 0) SKIP("no CUDA device");
   const Device dev = Device::cuda(0);

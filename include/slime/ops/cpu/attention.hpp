@@ -86,6 +86,14 @@ struct AttentionOptions {
   // always deterministic and ignores it.
   bool deterministic = false;
   AttentionKernel kernel = AttentionKernel::automatic;  // the CUDA kernels
+  // CUDA, the Hopper forward: a call with at most one query row per
+  // sequence (a decode step) and heads_q / heads_kv = G > 1 runs a tile per
+  // (sequence, kv head) that holds the row of all G heads, rather than a
+  // 128-row tile per query head holding one row (FlashDecoding's GQA
+  // packing: G x fewer tiles, K/V read once per kv head). Each row's sum is
+  // unchanged, so the bits are the same either way; false (or the
+  // environment's SLIME_ATTENTION_PACK_GQA=0): one tile per head.
+  bool pack_gqa = true;
 
   // The CausalMask offset of a sequence with these lengths.
   SLIME_HOST_DEVICE int offset_for(int len_q, int len_k) const {
