@@ -130,6 +130,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -147,6 +148,21 @@ using bf16 = __nv_bfloat16;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// Roundings spelled out where a row's result must not depend on where the
+// row sits in its tile: nvcc may contract a * b + c into one fma in one
+// unrolled copy of a loop and not in another, so a decode row (row 0 of its
+// tile) and the same row in training (row i of a 128-row tile) could differ
+// in the last bit of lse. These never contract.
+#if defined(SLIME_ATTENTION_EMULATION)
+inline float mul_rn(float a, float b) { return a * b; }
+inline float add_rn(float a, float b) { return a + b; }
+inline float fma_rn(float a, float b, float c) { return std::fma(a, b, c); }
+#else
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float fma_rn(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+#endif
 
 #if !defined(SLIME_ATTENTION_EMULATION)
 using namespace ::slime::ops::detail::ptx;  // cp_async_*, ldmatrix_x4*, mma_bf16
@@ -453,23 +469,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
         mx = quad_max(mx);
         // A row with no visible key yet keeps max -inf; subtracting 0 instead
         // keeps every exp2 argument -inf (-> 0) rather than NaN.
-        m_scaled[r] = mx == -INFINITY ? 0.f : mx * scale_log2;
-        const float corr = exp2f(m_i[mt][r] * scale_log2 - m_scaled[r]);  // 0 while m_i = -inf
+        m_scaled[r] = mx == -INFINITY ? 0.f : mul_rn(mx, scale_log2);
+        const float corr = exp2f(fma_rn(m_i[mt][r], scale_log2, -m_scaled[r]));  // 0 while m_i = -inf
         m_i[mt][r] = mx;
-        l_i[mt][r] *= corr;
+        l_i[mt][r] = mul_rn(l_i[mt][r], corr);
 #pragma unroll
         for (int i = 0; i < kDP / 8; ++i) {
-          acc_o[mt][i][2 * r] *= corr;
-          acc_o[mt][i][2 * r + 1] *= corr;
+          acc_o[mt][i][2 * r] = mul_rn(acc_o[mt][i][2 * r], corr);
+          acc_o[mt][i][2 * r + 1] = mul_rn(acc_o[mt][i][2 * r + 1], corr);
         }
       }
 #pragma unroll
       for (int i = 0; i < kBN / 8; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float pv = exp2_ftz(fmaf(s[mt][i][e], scale_log2, -m_scaled[e >> 1]));
+          const float pv = exp2_ftz(fma_rn(s[mt][i][e], scale_log2, -m_scaled[e >> 1]));
           s[mt][i][e] = pv;
-          l_i[mt][e >> 1] += pv;
+          l_i[mt][e >> 1] = add_rn(l_i[mt][e >> 1], pv);
         }
     }
 
@@ -505,7 +521,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_fwd_
     for (int r = 0; r < 2; ++r) {
       const float l = quad_sum(l_i[mt][r]);
       const float inv = l > 0.f ? 1.f / l : 0.f;
-      const float lse = l > 0.f ? (m_i[mt][r] * scale_log2 + log2f(l)) * kLn2 : -INFINITY;
+      const float lse = l > 0.f ? mul_rn(fma_rn(m_i[mt][r], scale_log2, log2f(l)), kLn2) : -INFINITY;
       const int row = row0 + (warp * kMT + mt) * 16 + (lane >> 2) + 8 * r;
       if (row < len_q) {
         bf16* o_row = gO + int64_t(row) * q_stride;

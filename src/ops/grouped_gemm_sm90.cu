@@ -629,10 +629,19 @@ void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStr
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
+// SLIME_GEMM_K_CHUNKS=0: the plain GEMM sums K in one accumulator (no chunks, no split; A/B timing).
+bool plain_k_chunks() {
+  static const bool on = [] {
+    const char* v = std::getenv("SLIME_GEMM_K_CHUNKS");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return on;
+}
+
 template <Pass kPass, class TOut>
 void dispatch_sm90_tile(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream) {
   if constexpr (kPass == Pass::forward) {
-    if (p.offsets == nullptr) return launch_plain_sm90<TOut>(tile, p, stream);
+    if (p.offsets == nullptr && plain_k_chunks()) return launch_plain_sm90<TOut>(tile, p, stream);
   }
   switch (tile) {
     case GroupedGemmTile::sm90_m128n256:
@@ -698,6 +707,7 @@ bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts, DType out_dty
 // choice (the batch-invariant mode relies on it; grouped_gemm.hpp).
 GroupedGemmTile grouped_gemm_sm90_plain_tile(int64_t rows, int64_t n) {
   const int64_t m_tiles = (rows + 127) / 128, sms = ::slime::ops::detail::tma::sm_count();
+  if (!plain_k_chunks() && n % 256 == 0 && m_tiles * (n / 256) >= sms) return GroupedGemmTile::sm90_m128n256;
   if (m_tiles * ((n + 127) / 128) >= sms) return GroupedGemmTile::sm90_m128n128;
   return GroupedGemmTile::sm90_m128n64;
 }

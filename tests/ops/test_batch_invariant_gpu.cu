@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -207,7 +208,12 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
   using ops::cuda::GroupedGemmTile;
   const Device d = Device::cuda(0);
   const Stream s = Stream::create(d);
-  // The automatic choice: n64 for few rows, n128 once its tiles cover the SMs (never n256).
+  // SLIME_GEMM_K_CHUNKS=0 (the A/B switch of grouped_gemm_sm90.cu) sums K in
+  // one accumulator: no split, and n256 allowed; the bits must agree either way.
+  const char* chunks_env = std::getenv("SLIME_GEMM_K_CHUNKS");
+  const bool chunks = chunks_env == nullptr || std::string(chunks_env) != "0";
+  // The automatic choice: n64 for few rows, n128 once its tiles cover the SMs
+  // (n256 only without K chunks).
   {
     ops::cuda::GroupedGemmParams q;
     q.experts = 1;
@@ -216,7 +222,8 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
     q.rows = 1;
     CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m128n64);
     q.rows = 128 * 4 * 1024;
-    CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m128n128);
+    CHECK(ops::cuda::grouped_gemm_tile_for(q) ==
+          (chunks ? GroupedGemmTile::sm90_m128n128 : GroupedGemmTile::sm90_m128n256));
   }
   // Scratch for the K split's f32 partials (as Linear passes its cuBLAS
   // workspace); without it, or where the partials do not fit, the call runs
@@ -280,8 +287,15 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
       }
     }
     // n256 keeps one accumulator set: it cannot chunk K, so a plain GEMM refuses it.
-    CHECK_THROWS_WITH(run(x.slice_rows(0, 7), w, DType::bf16, GroupedGemmTile::sm90_m128n256),
-                      ContainsSubstring("runs the sm90_m128n128 or sm90_m128n64 tile"));
+    if (chunks) {
+      CHECK_THROWS_WITH(run(x.slice_rows(0, 7), w, DType::bf16, GroupedGemmTile::sm90_m128n256),
+                        ContainsSubstring("runs the sm90_m128n128 or sm90_m128n64 tile"));
+    } else if (N % 256 == 0) {
+      const std::size_t row_bytes = std::size_t(N) * 2;
+      const auto want = bytes_of(run(x, w, DType::bf16, GroupedGemmTile::automatic), s);
+      const auto got = bytes_of(run(x.slice_rows(0, 7), w, DType::bf16, GroupedGemmTile::sm90_m128n256), s);
+      CHECK(std::memcmp(got.data(), want.data(), 7 * row_bytes) == 0);
+    }
   }
 }
 
