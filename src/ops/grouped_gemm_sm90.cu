@@ -73,7 +73,8 @@ using Pass = GroupedGemmPass;
 // StagedStore: the epilogue writes full tiles through a shared-memory buffer
 // and TMA stores (coalesced, asynchronous: the consumers go on with the next
 // tile while the copy engine drains it), where the buffer fits in 64 KB.
-// K chunks of a plain GEMM (the batch-invariant Linear, null offsets): each
+// K chunks of a plain GEMM (the batch-invariant Linear, null offsets; opt-in,
+// SLIME_GEMM_K_CHUNKS=1, see plain_k_chunks): each
 // chunk of kKChunkTiles k-steps (256 of K) is summed in a fresh accumulator
 // and the chunk sums are added in order, ((0 + c0) + c1) + ..., so that a call
 // of few rows can give each chunk its own CTA (an f32 partial per chunk, then
@@ -629,11 +630,15 @@ void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStr
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
-// SLIME_GEMM_K_CHUNKS=0: the plain GEMM sums K in one accumulator (no chunks, no split; A/B timing).
+// SLIME_GEMM_K_CHUNKS=1 runs the plain GEMM on the chunked tiles (and the K
+// split for few rows); by default it sums K in one accumulator on n256, n128
+// or n64. Opt-in: on an H100 the chunks cost the mode's FSDP step more than
+// they saved (bench/RESULTS.md, "K chunks and packed decode heads"), and the
+// split's partial sums took 18% of a batch-256 decode step's GPU time.
 bool plain_k_chunks() {
   static const bool on = [] {
     const char* v = std::getenv("SLIME_GEMM_K_CHUNKS");
-    return v == nullptr || std::string_view(v) != "0";
+    return v != nullptr && std::string_view(v) == "1";
   }();
   return on;
 }
@@ -700,8 +705,9 @@ bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts, DType out_dty
   }
 }
 
-// The tile of a plain forward GEMM (one group, no offsets) of `rows` x n:
-// n128 where its tiles cover the SMs, else n64 (whose calls of few rows also
+// The tile of a plain forward GEMM (one group, no offsets) of `rows` x n: the
+// widest of n256 (n a multiple of 256; not with K chunks), n128 and n64 whose
+// tiles cover the SMs, else n64 (whose calls of few rows, with K chunks, also
 // split K: launch_plain_sm90). The width changes which CTA sums an output
 // element, not the order of the sum over K, so the bits do not depend on the
 // choice (the batch-invariant mode relies on it; grouped_gemm.hpp).

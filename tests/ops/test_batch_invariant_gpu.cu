@@ -208,10 +208,11 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
   using ops::cuda::GroupedGemmTile;
   const Device d = Device::cuda(0);
   const Stream s = Stream::create(d);
-  // SLIME_GEMM_K_CHUNKS=0 (the A/B switch of grouped_gemm_sm90.cu) sums K in
-  // one accumulator: no split, and n256 allowed; the bits must agree either way.
+  // SLIME_GEMM_K_CHUNKS=1 (opt-in, grouped_gemm_sm90.cu) sums K in chunks
+  // of 256 and splits K for few rows; by default one accumulator, n256
+  // allowed. The bits must agree among the calls either way (run both).
   const char* chunks_env = std::getenv("SLIME_GEMM_K_CHUNKS");
-  const bool chunks = chunks_env == nullptr || std::string(chunks_env) != "0";
+  const bool chunks = chunks_env != nullptr && std::string(chunks_env) == "1";
   // The automatic choice: n64 for few rows, n128 once its tiles cover the SMs
   // (n256 only without K chunks).
   {

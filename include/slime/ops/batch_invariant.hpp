@@ -14,12 +14,14 @@
 //     forward, the LM head's logits chunks) runs slime's own tiled GEMM
 //     (ops::cuda::grouped_gemm with one group) instead of cuBLAS, whose
 //     kernel choice depends on M. Each output element is summed over K in
-//     one fixed order whatever M is (on Hopper: chunks of 256 of K, each in
-//     a fresh fp32 accumulator, the chunk sums added in order); a call of
-//     few rows (a decode step) takes a narrower tile and gives each K chunk
-//     its own CTA, so that its weight rows spread over the SMs, which moves
-//     the sums between CTAs without changing them. The backward GEMMs stay
-//     on cuBLAS (they feed no logprob).
+//     one fixed order whatever M is (64-wide k-steps in turn into one fp32
+//     accumulator); on Hopper a call of few rows (a decode step) takes a
+//     narrower tile (n128, n64) so that its weight rows spread over the SMs,
+//     which moves the sums between CTAs without changing them. (Opt-in,
+//     SLIME_GEMM_K_CHUNKS=1: K summed in chunks of 256, each in a fresh
+//     accumulator and added in order, and few rows split K over CTAs; same
+//     rule, other bits.) The backward GEMMs stay on cuBLAS (they feed no
+//     logprob).
 //   - the grouped GEMM of the MoE experts never takes the cuBLAS backend
 //     (its host offsets are ignored): the kernels' tiles depend on the
 //     feature sizes only, not on the group sizes.
@@ -28,7 +30,10 @@
 //     bitwise run to run (issue 20's determinism run).
 // Attention, RMSNorm, RoPE, SwiGLU, the router and the MoE combine are
 // batch-invariant as they are: one reduction per row in a fixed order, no
-// split over keys, kernels chosen without looking at the batch.
+// split over keys, kernels chosen without looking at the batch. (A decode
+// call's attention packs a kv group's query heads into one tile,
+// AttentionOptions::pack_gqa: each row's sum is the training forward's, bit
+// for bit; test_attention_gpu checks it.)
 //
 // Process-wide, like a cuBLAS math mode. The environment variable
 // SLIME_BATCH_INVARIANT=1 turns it on at start-up (0, empty or unset: off);

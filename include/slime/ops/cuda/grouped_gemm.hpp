@@ -132,10 +132,11 @@ struct GroupedGemmParams {
   // Forces a backend for this call (over set_grouped_gemm_backend and the
   // environment). A forced tile always runs the kernels.
   GroupedGemmBackend backend = GroupedGemmBackend::automatic;
-  // forward plain GEMM (null offsets) on the Hopper kernels only: device
-  // scratch, ordered on the call's stream, for the f32 partials of a K split
-  // (chunks x rows x out_features x 4 bytes). A split that does not fit, or
-  // no workspace, runs unsplit: slower for few rows, the same bits.
+  // forward plain GEMM (null offsets) on the Hopper kernels with
+  // SLIME_GEMM_K_CHUNKS=1 only: device scratch, ordered on the call's
+  // stream, for the f32 partials of a K split (chunks x rows x out_features
+  // x 4 bytes). A split that does not fit, or no workspace, runs unsplit:
+  // the same bits.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
 };
@@ -193,13 +194,16 @@ bool grouped_gemm_hopper_kernels();
 // The kernel grouped_gemm(p) runs: p.tile when forced, else the dispatcher's
 // choice by pass and shape (simple when the inputs need the fallback). On the
 // Hopper kernels a plain forward GEMM (null offsets: the batch-invariant
-// Linear) sums each element over K in chunks of 256 (each chunk in a fresh
-// fp32 accumulator, 64-wide k-steps in order; the chunk sums added in order)
-// on the n128 tile, or on n64 where n128's tiles would leave SMs idle; with
-// fewer n64 tiles than SMs (a decode step) each chunk gets its own CTA and an
-// f32 partial, added in the same order afterwards. The tile's width and the
-// split change which CTA sums what, never the order of a sum, so the bits are
-// the same (test_batch_invariant_gpu checks them against each other).
+// Linear) of few rows takes a narrower tile (n128, n64) where the n256 tiles
+// would leave most SMs idle: the tile's width changes which CTA sums an
+// element, never the order of its sum over K (64-wide k-steps in order, each
+// four wgmma k16 steps into one fp32 accumulator). With SLIME_GEMM_K_CHUNKS=1
+// (opt-in) it sums K in chunks of 256 instead (each chunk in a fresh fp32
+// accumulator, the chunk sums added in order) on n128 or n64, and with fewer
+// n64 tiles than SMs gives each chunk its own CTA and an f32 partial in
+// p.workspace, added in the same order afterwards. Either way the bits do not
+// depend on the rows (test_batch_invariant_gpu checks the calls against each
+// other, in both settings).
 GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p);
 
 // "m128n256k64", ..., "simple", "automatic".
