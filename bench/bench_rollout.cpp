@@ -8,9 +8,16 @@
 // counter tokens_per_s = B * 64 / time. The ".../batch_invariant" rows run
 // the same in the batch-invariant mode (slime/ops/batch_invariant.hpp): its
 // cost beside the row before it.
+// rollout/<model>/decode/b<B>/mode_cost: the mode's cost measured in pairs,
+// for machines whose speed drifts between rows (two runs of the same binary
+// minutes apart differed by up to 40% on one H100): each iteration times one
+// generate in each mode on the same engine, the order alternating, and the
+// counter cost_pct is the median over the pairs of (mode / default - 1) x
+// 100; default_ms and mode_ms are the medians of each side.
 // Models "dense" and "moe": bench_models.hpp's rollout_config (hidden 1024, 8
 // layers, 16 heads / 4 KV heads, head_dim 64, vocab 32000; a dense MLP of
 // intermediate 3072, or 32 experts top-4 of moe_intermediate 384).
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <vector>
@@ -64,6 +71,47 @@ void decode(benchmark::State& state, bool moe, int64_t batch, bool invariant) {
   });
 }
 
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n == 0 ? 0.0 : n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+void mode_cost(benchmark::State& state, bool moe, int64_t batch) {
+  if (bench::skip_without_cuda(state)) return;
+  bench::run_or_skip(state, [&] {
+    nn::Qwen3Model model(bench::rollout_config(moe), {Device::cuda(0), DType::bf16});
+    model.init_random(1, 0.02f);
+    rollout::Engine engine(model, {.max_batch = batch, .max_context = kPrompt + kNew, .kv_capacity = 0, .seed = 1});
+    const auto reqs = requests(batch);
+    auto timed = [&](bool invariant) {
+      ops::BatchInvariantScope mode(invariant);
+      const auto t0 = std::chrono::steady_clock::now();
+      const auto out = engine.generate(reqs);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (out[0].tokens.size() != std::size_t(kNew)) state.SkipWithError("a sequence ended early");
+      return s;
+    };
+    timed(false);  // warm-up of both modes: allocations, cuBLAS handles, tensor maps
+    timed(true);
+    std::vector<double> def, inv, cost;
+    bool invariant_first = false;
+    for (auto _ : state) {
+      const double a = invariant_first ? timed(true) : timed(false);
+      const double b = invariant_first ? timed(false) : timed(true);
+      const double t_def = invariant_first ? b : a, t_inv = invariant_first ? a : b;
+      invariant_first = !invariant_first;
+      def.push_back(t_def);
+      inv.push_back(t_inv);
+      cost.push_back((t_inv / t_def - 1.0) * 100.0);
+      state.SetIterationTime(t_def + t_inv);
+    }
+    state.counters["cost_pct"] = median(cost);
+    state.counters["default_ms"] = median(def) * 1e3;
+    state.counters["mode_ms"] = median(inv) * 1e3;
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -79,5 +127,13 @@ int main(int argc, char** argv) {
             ->Iterations(3)
             ->Repetitions(3)
             ->ReportAggregatesOnly(true);
+  for (bool moe : {false, true})
+    for (int64_t b : {1, 32, 256})
+      benchmark::RegisterBenchmark(
+          ("rollout/" + std::string(moe ? "moe" : "dense") + "/decode/b" + std::to_string(b) + "/mode_cost").c_str(),
+          [moe, b](benchmark::State& s) { mode_cost(s, moe, b); })
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(10);
   return slime::bench::run_benchmarks(argc, argv);
 }
