@@ -599,7 +599,7 @@ __global__ void sum_k_splits_kernel(const float* __restrict__ partial, TOut* c, 
 }
 
 // Most K splits of a plain GEMM (their f32 partials: splits x rows x n x 4
-// bytes, transient); a longer K runs unsplit.
+// bytes of p.workspace); a longer K runs unsplit.
 constexpr int kMaxKSplits = 32;
 
 // A plain forward GEMM (null offsets: the batch-invariant Linear) on the
@@ -612,15 +612,15 @@ void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStr
               "keep a second accumulator set), not ",
               grouped_gemm_tile_name(tile));
   if (tile == GroupedGemmTile::sm90_m128n128) return launch_sm90<Sm90M128N128Chunked, Pass::forward, TOut>(p, stream);
-  const int64_t tiles = ceil_div(p.rows, 128) * int64_t(ceil_div(p.out_features, 64));
-  const int64_t chunks = ceil_div(ceil_div(p.in_features, 64), kKChunkTiles);
-  if (tiles >= ::slime::ops::detail::tma::sm_count() || chunks < 2 || chunks > kMaxKSplits)
-    return launch_sm90<Sm90M128N64Chunked, Pass::forward, TOut>(p, stream);
+  using T = Sm90M128N64Chunked;
+  const int64_t tiles = ceil_div(p.rows, T::kBM) * int64_t(ceil_div(p.out_features, T::kBN));
+  const int64_t chunks = ceil_div(ceil_div(p.in_features, T::kBK), kKChunkTiles);
   const std::size_t bytes = std::size_t(chunks) * std::size_t(p.rows) * std::size_t(p.out_features) * sizeof(float);
-  if (p.workspace == nullptr || bytes > p.workspace_bytes)
-    return launch_sm90<Sm90M128N64Chunked, Pass::forward, TOut>(p, stream);
+  const bool split = tiles < ::slime::ops::detail::tma::sm_count() && chunks >= 2 && chunks <= kMaxKSplits &&
+                     p.workspace != nullptr && bytes <= p.workspace_bytes;
+  if (!split) return launch_sm90<T, Pass::forward, TOut>(p, stream);
   float* partial = static_cast<float*>(p.workspace);
-  launch_sm90<Sm90M128N64Chunked, Pass::forward, TOut>(p, stream, int(chunks), partial);
+  launch_sm90<T, Pass::forward, TOut>(p, stream, int(chunks), partial);
   constexpr int kThreads = 256;
   const int64_t total = p.rows * p.out_features;
   const unsigned blocks = unsigned(
