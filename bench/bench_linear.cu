@@ -23,9 +23,15 @@
 // ".../fwd/batch_invariant" rows: the forward in the batch-invariant mode.
 // Counters: TFLOPs (from the run's total event time), GBps, flop, bytes.
 // Large GEMMs are compute-bound: no L2 flush and no CUDA-graph replay needed.
+// "linear/decode/<proj>/m<rows>/fwd[/batch_invariant]" rows: the forward at a
+// decode step's rows (1, 32, 256) on the rollout benchmark config's
+// projections (hidden 1024; bench_models.hpp's rollout_config): where the
+// mode's fixed-tile GEMM pays against cuBLAS's split-K. Counter host_us: host
+// time per call (launch and tensor-map setup), to see which side bounds it.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -60,6 +66,7 @@ struct LinearShape {
   const char* model;
   const char* proj;
   int64_t in, out;
+  int64_t tokens = kTokens;  // rows of x
 };
 
 constexpr LinearShape kShapes[] = {
@@ -67,6 +74,15 @@ constexpr LinearShape kShapes[] = {
     {"h4096", "down", 12288, 4096}, {"h2048", "qo", 2048, 2048},   {"h2048", "kv", 2048, 1024},
     {"h2048", "up", 2048, 6144},    {"h2048", "down", 6144, 2048},
 };
+
+// The rollout config's projections (bench_models.hpp: hidden 1024, 16 / 4
+// heads of 64, intermediate 3072, vocab 32000): qkv, o, gate+up, down, lm_head.
+constexpr LinearShape kDecodeProjections[] = {
+    {"decode", "qkv", 1024, 1536},  {"decode", "o", 1024, 1024},        {"decode", "gate_up", 1024, 6144},
+    {"decode", "down", 3072, 1024}, {"decode", "lm_head", 1024, 32000},
+};
+constexpr int64_t kDecodeRows[] = {1, 32, 256};
+constexpr int kDecodeBatch = 50;  // GEMMs per timed iteration (microseconds each)
 
 enum class Op { fwd, dgrad, wgrad };
 constexpr const char* op_name(Op op) { return op == Op::fwd ? "fwd" : op == Op::dgrad ? "dgrad" : "wgrad"; }
@@ -83,14 +99,15 @@ struct Problem {
 std::unique_ptr<Problem> g_problem;
 
 Problem& problem(const LinearShape& s) {
-  if (g_problem && g_problem->shape.in == s.in && g_problem->shape.out == s.out) return *g_problem;
+  if (g_problem && g_problem->shape.in == s.in && g_problem->shape.out == s.out && g_problem->shape.tokens == s.tokens)
+    return *g_problem;
   g_problem.reset();
   auto p = std::make_unique<Problem>();
   const Device d = Device::cuda(0);
   p->shape = s;
   p->stream = Stream::create(d);
   const Stream& st = p->stream;
-  const int64_t T = kTokens, K = s.in, N = s.out;
+  const int64_t T = s.tokens, K = s.in, N = s.out;
   p->x = Tensor::empty({T, K}, DType::bf16, d, st);
   p->w = Tensor::empty({N, K}, DType::bf16, d, st);
   p->dy = Tensor::empty({T, N}, DType::bf16, d, st);
@@ -121,10 +138,10 @@ void launch(Problem& p, Op op) {
   }
 }
 
-double flop(const LinearShape& s) { return 2.0 * double(kTokens) * double(s.in) * double(s.out); }
+double flop(const LinearShape& s) { return 2.0 * double(s.tokens) * double(s.in) * double(s.out); }
 
 double bytes(const LinearShape& s, Op op) {
-  const double T = double(kTokens), K = double(s.in), N = double(s.out);
+  const double T = double(s.tokens), K = double(s.in), N = double(s.out);
   switch (op) {
     case Op::fwd:
       return 2 * (T * K + N * K + T * N);
@@ -139,7 +156,7 @@ double bytes(const LinearShape& s, Op op) {
 // Runs the op once on poisoned outputs (dW from zero) and compares kSamples
 // outputs with a double-precision sum over the host inputs. "" or the error.
 std::string check_once(Problem& p, Op op) {
-  const int64_t T = kTokens, K = p.shape.in, N = p.shape.out;
+  const int64_t T = p.shape.tokens, K = p.shape.in, N = p.shape.out;
   p.y.fill_bytes_(0xff, p.stream);
   p.dx.fill_bytes_(0xff, p.stream);
   p.dw.zero_(p.stream);
@@ -192,10 +209,21 @@ void run_linear(benchmark::State& state, LinearShape s, Op op) {
   slime::bench::run_or_skip(state, [&] {
     Problem& p = problem(s);
     static std::map<std::string, std::string> verdicts;
-    const std::string id = std::string(s.model) + s.proj + op_name(op) + (slime::ops::batch_invariant() ? "/bi" : "");
+    const std::string id = std::string(s.model) + s.proj + std::to_string(s.tokens) + op_name(op) +
+                           (slime::ops::batch_invariant() ? "/bi" : "");
     if (!slime::bench::passed_check(state, verdicts, id, [&] { return check_once(p, op); })) return;
-    const double t = slime::bench::time_batches(state, p.stream, kWarmup, kBatch, [&] { launch(p, op); });
+    const bool decode = s.tokens < kTokens;
+    const int batch = decode ? kDecodeBatch : kBatch;
+    double host_s = 0;
+    int64_t calls = 0;
+    const double t = slime::bench::time_batches(state, p.stream, kWarmup, batch, [&] {
+      const auto t0 = std::chrono::steady_clock::now();
+      launch(p, op);
+      host_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      ++calls;
+    });
     slime::bench::flop_byte_counters(state, t, flop(s), bytes(s, op));
+    if (decode) state.counters["host_us"] = calls > 0 ? 1e6 * host_s / double(calls) : 0;
   });
 }
 
@@ -218,6 +246,23 @@ int main(int argc, char** argv) {
           run_linear(st, s, Op::fwd);
         },
         benchmark::kMicrosecond, kIterations, kRepetitions);
+  }
+  for (const LinearShape& proj : kDecodeProjections) {
+    for (int64_t rows : kDecodeRows) {
+      LinearShape s = proj;
+      s.tokens = rows;
+      const std::string name = std::string("linear/decode/") + s.proj + "/m" + std::to_string(rows) + "/fwd";
+      slime::bench::register_manual(
+          name, [s](benchmark::State& st) { run_linear(st, s, Op::fwd); }, benchmark::kMicrosecond, kIterations,
+          kRepetitions);
+      slime::bench::register_manual(
+          name + "/batch_invariant",
+          [s](benchmark::State& st) {
+            slime::ops::BatchInvariantScope mode;
+            run_linear(st, s, Op::fwd);
+          },
+          benchmark::kMicrosecond, kIterations, kRepetitions);
+    }
   }
   const int rc = slime::bench::run_benchmarks(argc, argv);
   g_problem.reset();
