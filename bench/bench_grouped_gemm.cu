@@ -318,10 +318,11 @@ int main(int argc, char** argv) {
           base + "/cublas_dense", [s, op](benchmark::State& st) { run_dense(st, s, op); }, benchmark::kMicrosecond,
           kIterations, kRepetitions);
       for (GroupedGemmTile tile : slime::ops::cuda::kGroupedGemmTiles)
-        slime::bench::register_manual(
-            base + "/" + slime::ops::cuda::grouped_gemm_tile_name(tile),
-            [s, op, tile](benchmark::State& st) { run_grouped_gemm(st, s, op, tile, false); }, benchmark::kMicrosecond,
-            kIterations, kRepetitions);
+        if (op == Op::fwd || !slime::ops::cuda::grouped_gemm_tile_forward_only(tile))
+          slime::bench::register_manual(
+              base + "/" + slime::ops::cuda::grouped_gemm_tile_name(tile),
+              [s, op, tile](benchmark::State& st) { run_grouped_gemm(st, s, op, tile, false); },
+              benchmark::kMicrosecond, kIterations, kRepetitions);
     }
   }
   return slime::bench::run_benchmarks(argc, argv);

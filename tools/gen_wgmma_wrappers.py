@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Writes the wgmma.mma_async wrappers of src/ops/sm90.cuh (between its
-"generated" markers) for N = 64, 128, 256 (and N = 64, 128 with A from registers): one inline-asm statement per shape
+"generated" markers) for N = 16, 32, 64, 128, 256 (and N = 64, 128 with A from registers): one inline-asm statement per shape
 with N / 2 fp32 accumulator operands, too long to write by hand.
 Usage: tools/gen_wgmma_wrappers.py  (rewrites src/ops/sm90.cuh in place)."""
 import pathlib
 import re
 out=[]
-for n in (64,128,256):
+for n in (16,32,64,128,256):
     regs=n//2
     dl=", ".join(f"%{i}" for i in range(regs))
     outs=",\n        ".join(", ".join(f'"+f"(d[{i}])' for i in range(j, min(j+8, regs))) for j in range(0, regs, 8))

@@ -526,6 +526,12 @@ const char* grouped_gemm_tile_name(GroupedGemmTile t) {
       return "sm90_m128n128";
     case GroupedGemmTile::sm90_m128n64:
       return "sm90_m128n64";
+    case GroupedGemmTile::sm90_m64n64:
+      return "sm90_m64n64";
+    case GroupedGemmTile::sm90_m64n32:
+      return "sm90_m64n32";
+    case GroupedGemmTile::sm90_m64n16:
+      return "sm90_m64n16";
   }
   return "unknown";
 }

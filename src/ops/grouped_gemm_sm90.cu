@@ -7,7 +7,8 @@
 //   backward_input   dy_g      K-major      w_e [out, in] MN-major   out
 //   backward_weight  dy_gᵀ     MN-major     x_g [n_e, in] MN-major   n_e
 //
-// CTA tile 128 x BN x 64 (BN = 256, 128 or 64). Shared memory holds kStages
+// CTA tile 128 x BN x 64 (BN = 256, 128 or 64; forward only, for few rows:
+// 64 x BN x 64 with BN = 64, 32 or 16 and one consumer warpgroup). Shared memory holds kStages
 // stages of [A 128 x 64 | B BN x 64], 128-byte swizzled (sm90.cuh): K-major
 // tiles are one TMA box [rows][64 k]; MN-major tiles are boxes [64 k][64 mn]
 // side by side, 8 KB each, so the A tile of either layout is two 8 KB halves
@@ -64,10 +65,11 @@ using namespace ::slime::ops::detail::grouped_gemm_device;
 using bf16 = __nv_bfloat16;
 using Pass = GroupedGemmPass;
 
-// CTA tile 128 x BN x 64 with Stages pipeline stages and CtasPerSm CTAs
+// CTA tile BM x BN x 64 with Stages pipeline stages and CtasPerSm CTAs
 // resident per SM (2: one CTA's epilogue overlaps the other's main loop).
-// 288 threads: consumer warpgroups 0 and 1 (wgmma needs warpgroups aligned to
-// 4 warps), then one producer warp. No setmaxnreg: the register cap at entry
+// BM / 64 consumer warpgroups (288 threads for BM = 128: consumer warpgroups
+// 0 and 1, as wgmma needs warpgroups aligned to 4 warps), then one producer
+// warp. No setmaxnreg: the register cap at entry
 // (65536 / (288 * CtasPerSm)) already fits the consumers' BN / 2
 // accumulators, and ptxas compiles the whole kernel to that cap.
 // StagedStore: the epilogue writes full tiles through a shared-memory buffer
@@ -82,17 +84,17 @@ using Pass = GroupedGemmPass;
 // bit, a call of many rows in which one CTA sums all chunks of a tile.
 constexpr int kKChunkTiles = 4;
 
-template <int BN, int Stages, int CtasPerSm, bool StagedStore, bool Chunked = false>
+template <int BN, int Stages, int CtasPerSm, bool StagedStore, bool Chunked = false, int BM = 128>
 struct Sm90Tile {
-  static constexpr int kBM = 128, kBN = BN, kBK = 64;
+  static constexpr int kBM = BM, kBN = BN, kBK = 64;
   // Chunked: a second accumulator set (the running total), BN / 2 more
   // registers: BN <= 128.
   static constexpr bool kChunked = Chunked;
-  static constexpr int kConsumers = 256, kThreads = kConsumers + 32;
+  static constexpr int kConsumers = 2 * BM, kThreads = kConsumers + 32;  // 128 threads per 64 rows
   static constexpr int kCtasPerSm = CtasPerSm;
   static constexpr int kBox = 64 * 64 * 2;               // one [64][64] bf16 box, 8 KB
-  static constexpr int kABytes = kBM * kBK * 2;          // 16 KB
-  static constexpr int kBBytes = kBN * kBK * 2;          // 32 or 16 KB
+  static constexpr int kABytes = kBM * kBK * 2;          // 16 or 8 KB
+  static constexpr int kBBytes = kBN * kBK * 2;          // 32 to 2 KB
   static constexpr int kStageBytes = kABytes + kBBytes;  // multiple of 1024
   static constexpr int kStages = Stages;
   static constexpr int kAcc = BN / 2;  // fp32 accumulators per consumer thread
@@ -113,7 +115,8 @@ struct Sm90Tile {
   static constexpr int smem_bytes() {
     return kStages * kStageBytes + c_bytes<TOut>() + 1024;  // + alignment slack
   }
-  static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma m64n64, m64n128 or m64n256 per consumer warpgroup");
+  static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128 || BN == 256, "wgmma m64nBNk16 per consumer warpgroup");
+  static_assert(BM == 128 || (BM == 64 && !StagedStore && !Chunked), "64-row tiles: direct stores, one accumulator");
   static_assert(!Chunked || BN <= 128, "the chunked sum keeps two accumulator sets: BN <= 128");
   static_assert(smem_bytes<__nv_bfloat16>() * CtasPerSm <= 227 * 1024 && smem_bytes<float>() * CtasPerSm <= 227 * 1024,
                 "fits the 227 KB of shared memory of a Hopper SM");
@@ -127,6 +130,11 @@ using Sm90M128N64 = Sm90Tile<64, 7, 1, true>;  // 168 KB + 16 (bf16) or 32 (f32)
 // The plain GEMM's tiles (K chunks, above).
 using Sm90M128N128Chunked = Sm90Tile<128, 4, 1, true, true>;
 using Sm90M128N64Chunked = Sm90Tile<64, 7, 1, true, true>;
+// Forward only, few rows: one consumer warpgroup; a stage is 8 KB of x and
+// 8, 4 or 2 KB of weights, and 12-16 of them keep 150-190 KB in flight per SM.
+using Sm90M64N64 = Sm90Tile<64, 12, 1, false, false, 64>;
+using Sm90M64N32 = Sm90Tile<32, 16, 1, false, false, 64>;
+using Sm90M64N16 = Sm90Tile<16, 16, 1, false, false, 64>;
 
 template <Pass kPass>
 struct Sm90Layout {
@@ -161,8 +169,12 @@ __device__ __forceinline__ void mma_step(float (&d)[BN / 2], const unsigned char
     wgmma_m64n256k16<kAK ? 0 : 1, kBK ? 0 : 1>(d, da, db, 1);
   } else if constexpr (BN == 128) {
     wgmma_m64n128k16<kAK ? 0 : 1, kBK ? 0 : 1>(d, da, db, 1);
-  } else {
+  } else if constexpr (BN == 64) {
     wgmma_m64n64k16<kAK ? 0 : 1, kBK ? 0 : 1>(d, da, db, 1);
+  } else if constexpr (BN == 32) {
+    wgmma_m64n32k16<kAK ? 0 : 1, kBK ? 0 : 1>(d, da, db, 1);
+  } else {
+    wgmma_m64n16k16<kAK ? 0 : 1, kBK ? 0 : 1>(d, da, db, 1);
   }
 }
 
@@ -305,7 +317,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
           mbar_arrive_expect_tx(bar, T::kStageBytes);
           const int k0 = kt * kBK;
           if constexpr (kPass == Pass::forward) {
-            tma_load_2d(sa, &map_a, bar, k0, tc.a_row);         // x [rows, in]: box {64 k, 128 rows}
+            tma_load_2d(sa, &map_a, bar, k0, tc.a_row);         // x [rows, in]: box {64 k, BM rows}
             tma_load_3d(sb, &map_b, bar, k0, tc.n0, tc.group);  // w [E, out, in]: box {64 k, BN n, 1}
           } else if constexpr (kPass == Pass::backward_input) {
             tma_load_2d(sa, &map_a, bar, k0, tc.a_row);  // dy [rows, out]: box {64 k, 128 rows}
@@ -324,7 +336,7 @@ __global__ void __launch_bounds__(T::kThreads, T::kCtasPerSm)
       }
     }
   } else {
-    // ---- consumers: warpgroup c owns rows 64 c .. 64 c + 63 of each tile
+    // ---- consumers: warpgroup c owns rows 64 c .. 64 c + 63 of each tile (c = 0 only for BM = 64)
     const int c = tid / 128, wq = warp & 3;
     int it = 0;
     for (int t = int(blockIdx.x); t < total_tiles; t += int(gridDim.x)) {
@@ -553,7 +565,7 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream, int k_splits =
   kp.ldc = grouped_gemm_output_pitch(p);
   int64_t ctas;  // an upper bound of the tiles
   if constexpr (kPass == Pass::forward) {
-    ma = map_2d(p.a, in_f, rows, 64, 128);
+    ma = map_2d(p.a, in_f, rows, 64, T::kBM);
     mb = map_weights(p.b, in_f, out_f, experts, 64, BN);
   } else if constexpr (kPass == Pass::backward_input) {
     ma = map_2d(p.a, out_f, rows, 64, 128);
@@ -645,7 +657,8 @@ bool plain_k_chunks() {
 
 template <Pass kPass, class TOut>
 void dispatch_sm90_tile(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream) {
-  if constexpr (kPass == Pass::forward) {
+  constexpr bool kForward = kPass == Pass::forward;
+  if constexpr (kForward) {
     if (p.offsets == nullptr && plain_k_chunks()) return launch_plain_sm90<TOut>(tile, p, stream);
   }
   switch (tile) {
@@ -655,9 +668,20 @@ void dispatch_sm90_tile(GroupedGemmTile tile, const GroupedGemmParams& p, cudaSt
       return launch_sm90<Sm90M128N128, kPass, TOut>(p, stream);
     case GroupedGemmTile::sm90_m128n64:
       return launch_sm90<Sm90M128N64, kPass, TOut>(p, stream);
+    // The 64-row tiles: forward only (no backward instantiations).
+    case GroupedGemmTile::sm90_m64n64:
+      if constexpr (kForward) return launch_sm90<Sm90M64N64, kPass, TOut>(p, stream);
+      break;
+    case GroupedGemmTile::sm90_m64n32:
+      if constexpr (kForward) return launch_sm90<Sm90M64N32, kPass, TOut>(p, stream);
+      break;
+    case GroupedGemmTile::sm90_m64n16:
+      if constexpr (kForward) return launch_sm90<Sm90M64N16, kPass, TOut>(p, stream);
+      break;
     default:
       SLIME_FAIL("grouped_gemm: ", grouped_gemm_tile_name(tile), " is not a Hopper tile");
   }
+  SLIME_FAIL("grouped_gemm: tile ", grouped_gemm_tile_name(tile), " runs the forward pass only");
 }
 
 }  // namespace
@@ -700,22 +724,51 @@ bool grouped_gemm_sm90_fits(GroupedGemmTile tile, int64_t experts, DType out_dty
       return fits(Sm90M128N128{});
     case GroupedGemmTile::sm90_m128n64:
       return fits(Sm90M128N64{});
+    case GroupedGemmTile::sm90_m64n64:
+      return fits(Sm90M64N64{});
+    case GroupedGemmTile::sm90_m64n32:
+      return fits(Sm90M64N32{});
+    case GroupedGemmTile::sm90_m64n16:
+      return fits(Sm90M64N16{});
     default:
       return false;
   }
 }
 
+// SLIME_GEMM_PLAIN_TILE=<tile name> (e.g. sm90_m64n16): the plain GEMM's
+// tile for every call, over the choice below (benchmarks compare them on a
+// whole decode step; the bits are the same whichever runs). Unset: automatic.
+GroupedGemmTile plain_tile_override() {
+  static const GroupedGemmTile tile = [] {
+    const char* v = std::getenv("SLIME_GEMM_PLAIN_TILE");
+    if (v == nullptr || *v == 0 || std::string_view(v) == "automatic") return GroupedGemmTile::automatic;
+    for (GroupedGemmTile t : kGroupedGemmTiles)
+      if (grouped_gemm_tile_is_sm90(t) && std::string_view(v) == grouped_gemm_tile_name(t)) return t;
+    SLIME_FAIL("SLIME_GEMM_PLAIN_TILE=", v, " is not a Hopper tile (sm90_m128n256, sm90_m128n128, sm90_m128n64, ",
+               "sm90_m64n64, sm90_m64n32, sm90_m64n16 or automatic)");
+  }();
+  return tile;
+}
+
 // The tile of a plain forward GEMM (one group, no offsets) of `rows` x n: the
 // widest of n256 (n a multiple of 256; not with K chunks), n128 and n64 whose
-// tiles cover the SMs, else n64 (whose calls of few rows, with K chunks, also
-// split K: launch_plain_sm90). The width changes which CTA sums an output
-// element, not the order of the sum over K, so the bits do not depend on the
-// choice (the batch-invariant mode relies on it; grouped_gemm.hpp).
+// tiles cover the SMs; for fewer rows (up to 256) the 64-row tiles, the
+// widest of n64, n32 and n16 whose tiles cover the SMs, else n16 (most
+// CTAs); with K chunks n64, whose calls of few rows also split K
+// (launch_plain_sm90). The tile changes which CTA sums an output element, not
+// the order of the sum over K, so the bits do not depend on the choice (the
+// batch-invariant mode relies on it; grouped_gemm.hpp).
 GroupedGemmTile grouped_gemm_sm90_plain_tile(int64_t rows, int64_t n) {
   const int64_t m_tiles = (rows + 127) / 128, sms = ::slime::ops::detail::tma::sm_count();
-  if (!plain_k_chunks() && n % 256 == 0 && m_tiles * (n / 256) >= sms) return GroupedGemmTile::sm90_m128n256;
+  const bool chunks = plain_k_chunks();
+  if (!chunks && plain_tile_override() != GroupedGemmTile::automatic) return plain_tile_override();
+  if (!chunks && n % 256 == 0 && m_tiles * (n / 256) >= sms) return GroupedGemmTile::sm90_m128n256;
   if (m_tiles * ((n + 127) / 128) >= sms) return GroupedGemmTile::sm90_m128n128;
-  return GroupedGemmTile::sm90_m128n64;
+  if (chunks || rows > 256 || m_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m128n64;
+  const int64_t m64_tiles = (rows + 63) / 64;
+  if (m64_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m64n64;
+  if (m64_tiles * ((n + 31) / 32) >= sms) return GroupedGemmTile::sm90_m64n32;
+  return GroupedGemmTile::sm90_m64n16;
 }
 
 // Called by grouped_gemm (grouped_gemm.cu) after its checks, for a sm90 tile,

@@ -213,15 +213,17 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
   // allowed. The bits must agree among the calls either way (run both).
   const char* chunks_env = std::getenv("SLIME_GEMM_K_CHUNKS");
   const bool chunks = chunks_env != nullptr && std::string(chunks_env) == "1";
-  // The automatic choice: n64 for few rows, n128 once its tiles cover the SMs
-  // (n256 only without K chunks).
+  // The automatic choice: for few rows the 64-row n16 tile (n64 with K
+  // chunks), n128 once its tiles cover the SMs (n256 only without K chunks).
   {
     ops::cuda::GroupedGemmParams q;
     q.experts = 1;
     q.out_features = 1024;
     q.in_features = 1024;
     q.rows = 1;
-    CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m128n64);
+    if (std::getenv("SLIME_GEMM_PLAIN_TILE") == nullptr)
+      CHECK(ops::cuda::grouped_gemm_tile_for(q) ==
+            (chunks ? GroupedGemmTile::sm90_m128n64 : GroupedGemmTile::sm90_m64n16));
     q.rows = 128 * 4 * 1024;
     CHECK(ops::cuda::grouped_gemm_tile_for(q) ==
           (chunks ? GroupedGemmTile::sm90_m128n128 : GroupedGemmTile::sm90_m128n256));
@@ -275,9 +277,14 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
               (out_dt == DType::bf16 ? 5e-3 : 1e-4));
         CHECK(finite);
       }
+      // The 64-row tiles (forward only, one accumulator) run without K chunks.
+      std::vector<GroupedGemmTile> tiles = {GroupedGemmTile::automatic, GroupedGemmTile::sm90_m128n128,
+                                            GroupedGemmTile::sm90_m128n64};
+      if (!chunks)
+        tiles.insert(tiles.end(),
+                     {GroupedGemmTile::sm90_m64n64, GroupedGemmTile::sm90_m64n32, GroupedGemmTile::sm90_m64n16});
       for (int64_t rows : {1, 7, 300}) {
-        for (GroupedGemmTile t :
-             {GroupedGemmTile::automatic, GroupedGemmTile::sm90_m128n128, GroupedGemmTile::sm90_m128n64}) {
+        for (GroupedGemmTile t : tiles) {
           // No workspace (unsplit), one too small for 2 chunks (unsplit), a full one (split where few tiles).
           for (std::size_t ws : {std::size_t(0), std::size_t(rows * N * 4), std::size_t(32) << 20}) {
             INFO(rows << " rows, tile " << ops::cuda::grouped_gemm_tile_name(t) << ", workspace " << ws << " bytes");

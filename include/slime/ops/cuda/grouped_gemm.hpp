@@ -82,15 +82,29 @@ enum class GroupedGemmTile : int {
   // in the batch-invariant mode, whose sums it leaves unchanged: see
   // grouped_gemm_tile_for)
   sm90_m128n64 = 6,
+  // Forward only: one consumer warpgroup on a 64-row tile, 12-16 stages,
+  // direct stores. For a plain GEMM of at most a few hundred rows (a decode
+  // step), where even n64 leaves most SMs idle: n / 16 CTAs stream the
+  // weights of a 1024-wide projection instead of n / 64.
+  sm90_m64n64 = 7,
+  sm90_m64n32 = 8,
+  sm90_m64n16 = 9,
 };
-inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {GroupedGemmTile::m128n128k32,   GroupedGemmTile::m128n256k64,
-                                                        GroupedGemmTile::m128n128k64,   GroupedGemmTile::sm90_m128n256,
-                                                        GroupedGemmTile::sm90_m128n128, GroupedGemmTile::sm90_m128n64};
+inline constexpr GroupedGemmTile kGroupedGemmTiles[] = {
+    GroupedGemmTile::m128n128k32,   GroupedGemmTile::m128n256k64,   GroupedGemmTile::m128n128k64,
+    GroupedGemmTile::sm90_m128n256, GroupedGemmTile::sm90_m128n128, GroupedGemmTile::sm90_m128n64,
+    GroupedGemmTile::sm90_m64n64,   GroupedGemmTile::sm90_m64n32,   GroupedGemmTile::sm90_m64n16};
 
 // Whether `tile` is one of the Hopper (wgmma + TMA) tiles.
 inline constexpr bool grouped_gemm_tile_is_sm90(GroupedGemmTile t) {
   return t == GroupedGemmTile::sm90_m128n256 || t == GroupedGemmTile::sm90_m128n128 ||
-         t == GroupedGemmTile::sm90_m128n64;
+         t == GroupedGemmTile::sm90_m128n64 || t == GroupedGemmTile::sm90_m64n64 || t == GroupedGemmTile::sm90_m64n32 ||
+         t == GroupedGemmTile::sm90_m64n16;
+}
+
+// Whether `tile` runs the forward pass only (the 64-row Hopper tiles).
+inline constexpr bool grouped_gemm_tile_forward_only(GroupedGemmTile t) {
+  return t == GroupedGemmTile::sm90_m64n64 || t == GroupedGemmTile::sm90_m64n32 || t == GroupedGemmTile::sm90_m64n16;
 }
 
 // Whether `tile` can run on the current device: the sm90 tiles need this
@@ -194,8 +208,9 @@ bool grouped_gemm_hopper_kernels();
 // The kernel grouped_gemm(p) runs: p.tile when forced, else the dispatcher's
 // choice by pass and shape (simple when the inputs need the fallback). On the
 // Hopper kernels a plain forward GEMM (null offsets: the batch-invariant
-// Linear) of few rows takes a narrower tile (n128, n64) where the n256 tiles
-// would leave most SMs idle: the tile's width changes which CTA sums an
+// Linear) of few rows takes a narrower tile (n128, n64, then the 64-row
+// m64n64 / m64n32 / m64n16) where the n256 tiles would leave most SMs idle
+// (SLIME_GEMM_PLAIN_TILE=<tile name> forces one, for benchmarks): the tile's width changes which CTA sums an
 // element, never the order of its sum over K (64-wide k-steps in order, each
 // four wgmma k16 steps into one fp32 accumulator). With SLIME_GEMM_K_CHUNKS=1
 // (opt-in) it sums K in chunks of 256 instead (each chunk in a fresh fp32
