@@ -26,9 +26,11 @@
 // "linear/decode/<proj>/m<rows>/fwd[/batch_invariant]" rows: the forward at a
 // decode step's rows (1, 32, 256) on the rollout benchmark config's
 // projections (hidden 1024; bench_models.hpp's rollout_config): where the
-// mode's fixed-tile GEMM pays against cuBLAS's split-K. Counter host_us: host
-// time per call (launch and tensor-map setup), to see which side bounds it.
+// mode's fixed-tile GEMM pays against cuBLAS's split-K. Counters host_us: host
+// time per call (launch and tensor-map setup), to see which side bounds the
+// row's time; graph_us: GPU time per call, the calls replayed from a CUDA graph.
 #include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
@@ -204,6 +206,38 @@ std::string check_once(Problem& p, Op op) {
   return "";
 }
 
+// GPU time of one call without the host's launch cost: `batch` calls
+// captured in a CUDA graph, replayed; microseconds per call (-1 when the
+// capture fails, e.g. a backend that cannot be captured).
+double graph_us(Problem& p, Op op, int batch) {
+  cudaStream_t st = static_cast<cudaStream_t>(p.stream.handle());
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return -1;
+  for (int i = 0; i < batch; ++i) launch(p, op);
+  if (cudaStreamEndCapture(st, &graph) != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    return -1;
+  }
+  constexpr int kReplays = 10;
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  for (int i = 0; i < 2; ++i) cudaGraphLaunch(exec, st);
+  cudaEventRecord(e0, st);
+  for (int i = 0; i < kReplays; ++i) cudaGraphLaunch(exec, st);
+  cudaEventRecord(e1, st);
+  cudaEventSynchronize(e1);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, e0, e1);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return 1e3 * double(ms) / double(kReplays * batch);
+}
+
 void run_linear(benchmark::State& state, LinearShape s, Op op) {
   if (slime::bench::skip_without_cuda(state)) return;
   slime::bench::run_or_skip(state, [&] {
@@ -223,7 +257,10 @@ void run_linear(benchmark::State& state, LinearShape s, Op op) {
       ++calls;
     });
     slime::bench::flop_byte_counters(state, t, flop(s), bytes(s, op));
-    if (decode) state.counters["host_us"] = calls > 0 ? 1e6 * host_s / double(calls) : 0;
+    if (decode) {
+      state.counters["host_us"] = calls > 0 ? 1e6 * host_s / double(calls) : 0;
+      state.counters["graph_us"] = graph_us(p, op, batch);
+    }
   });
 }
 

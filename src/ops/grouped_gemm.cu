@@ -549,6 +549,8 @@ void run_kernels(const GroupedGemmParams& p, StreamHandle stream) {
               " needs bf16 inputs, in and out features multiples of 8 and 16-byte aligned pointers");
   SLIME_CHECK(grouped_gemm_tile_supported(tile), "grouped_gemm: tile ", grouped_gemm_tile_name(tile),
               " needs a GPU of compute capability 9.0 and slime built for sm_90a (CMAKE_CUDA_ARCHITECTURES 90a)");
+  SLIME_CHECK(p.pass == Pass::forward || !grouped_gemm_tile_forward_only(tile), "grouped_gemm: tile ",
+              grouped_gemm_tile_name(tile), " runs the forward pass only");
   if (p.rows == 0 || p.out_features == 0 || p.in_features == 0) {
     // Nothing to sum: y / dx are [rows, 0] or get zeros (in_features = 0).
     if (p.pass == Pass::backward_weight || p.rows == 0 || p.accumulate) return;

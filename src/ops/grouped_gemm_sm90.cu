@@ -146,7 +146,7 @@ struct Sm90Params {
   const int32_t* offsets;  // null: one group of all rows
   void* c;
   int experts, rows, out_f, in_f;
-  int m_tiles, n_tiles;  // backward_weight: per expert; others: n-tiles per m-tile
+  int m_tiles, n_tiles;  // backward_weight: per expert; others: n-tiles per m-tile (and the m-tiles of a plain GEMM)
   int64_t ldc;           // forward / backward_input: the row pitch of c
   bool accumulate;
   // forward: CTAs per output tile along K (1: one sums all of K; > 1: split
@@ -610,20 +610,201 @@ __global__ void sum_k_splits_kernel(const float* __restrict__ partial, TOut* c, 
   }
 }
 
+// ---- K chunks side by side: the plain GEMM of few rows with K chunks ----------------
+// A 64 x BN output tile per CTA whose K chunks (kKChunkTiles k-steps, 256 of
+// K) go round-robin to kWG consumer warpgroups: chunk i to warpgroup i % kWG,
+// each warpgroup with its own stage ring fed by its own producer warp, so that
+// kWG chunks' wgmma chains (16 dependent m64nBNk16 steps each) run at once
+// where one CTA would run them one after another. Each chunk is summed in a
+// fresh accumulator; the chunk sums are added in order, ((0 + c0) + c1) + ...,
+// in a shared f32 tile that a turn counter hands from the warpgroup of chunk i
+// to that of chunk i + 1; the warpgroup of the last chunk stores the result
+// from its registers. Those are the sums of the chunked one-CTA tiles above,
+// bit for bit, without the K split's f32 partials in global memory and second
+// kernel. Shared memory: kWG rings of Stages x [x 64 x 64 | w BN x 64] and the
+// running total (128 threads x BN / 2 floats, thread-major).
+template <int BN, int WG, int Stages>
+struct Sm90ChunkTile {
+  static constexpr int kBM = 64, kBN = BN, kBK = 64, kWG = WG, kStages = Stages;
+  static constexpr int kThreads = WG * (128 + 32);  // WG consumer warpgroups, then WG producer warps
+  static constexpr int kABytes = kBM * kBK * 2, kBBytes = BN * kBK * 2, kStageBytes = kABytes + kBBytes;
+  static constexpr int kRingBytes = Stages * kStageBytes;
+  static constexpr int kAcc = BN / 2;
+  static constexpr int kTotalBytes = 128 * kAcc * 4;
+  static constexpr int smem_bytes() { return WG * kRingBytes + kTotalBytes + 1024; }
+  static_assert(kStageBytes % 1024 == 0, "128-byte swizzled stages start at 1024-byte boundaries");
+  static_assert(smem_bytes() <= 227 * 1024, "fits the 227 KB of shared memory of a Hopper SM");
+};
+using Sm90ChunkN64 = Sm90ChunkTile<64, 4, 3>;  // 192 KB of rings + 16 KB of total
+using Sm90ChunkN32 = Sm90ChunkTile<32, 4, 4>;  // 192 + 8
+using Sm90ChunkN16 = Sm90ChunkTile<16, 4, 4>;  // 160 + 4
+
+template <class T, class TOut>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    plain_chunks_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                             const Sm90Params p) {
+#if SLIME_SM90A
+  constexpr int BN = T::kBN, kStages = T::kStages, kWG = T::kWG;
+  extern __shared__ __align__(1024) unsigned char sm90_smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[kWG][kStages];
+  __shared__ __align__(8) uint64_t empty_bar[kWG][kStages];
+  __shared__ int turn_storage;  // chunks handed on so far (over this CTA's tiles)
+  volatile int* turn = &turn_storage;
+  unsigned char* smem = sm90_smem_raw + ((1024 - (smem_u32(sm90_smem_raw) & 1023)) & 1023);
+  float* total = reinterpret_cast<float*>(smem + kWG * T::kRingBytes);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) {
+    for (int w = 0; w < kWG; ++w)
+      for (int s = 0; s < kStages; ++s) {
+        mbar_init(&full_bar[w][s], 1);
+        mbar_init(&empty_bar[w][s], 128);
+      }
+    *turn = 0;
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int k_tiles = (p.in_f + T::kBK - 1) / T::kBK;
+  const int chunks = (k_tiles + kKChunkTiles - 1) / kKChunkTiles;
+  const int total_tiles = p.m_tiles * p.n_tiles;
+
+  if (warp >= 4 * kWG) {
+    // ---- producer warp w: ring w, the k-steps of chunks w, w + kWG, ...
+    const int w = warp - 4 * kWG;
+    if (lane == 0) {
+      tma_prefetch_descriptor(&map_a);
+      tma_prefetch_descriptor(&map_b);
+      int it = 0;
+      for (int t = int(blockIdx.x); t < total_tiles; t += int(gridDim.x)) {
+        const int m0 = (t / p.n_tiles) * T::kBM, n0 = (t % p.n_tiles) * BN;
+        for (int ch = w; ch < chunks; ch += kWG) {
+          const int kt_end = min((ch + 1) * kKChunkTiles, k_tiles);
+          for (int kt = ch * kKChunkTiles; kt < kt_end; ++kt, ++it) {
+            const int s = it % kStages;
+            mbar_wait(&empty_bar[w][s], ((it / kStages) & 1) ^ 1);
+            unsigned char* sa = smem + w * T::kRingBytes + s * T::kStageBytes;
+            uint64_t* bar = &full_bar[w][s];
+            mbar_arrive_expect_tx(bar, T::kStageBytes);
+            tma_load_2d(sa, &map_a, bar, kt * T::kBK, m0);                  // x [rows, in]: box {64 k, 64 rows}
+            tma_load_3d(sa + T::kABytes, &map_b, bar, kt * T::kBK, n0, 0);  // w [1, out, in]: box {64 k, BN n, 1}
+          }
+        }
+      }
+    }
+    return;
+  }
+  // ---- consumer warpgroup w
+  const int w = warp / 4, wq = warp & 3, t128 = tid & 127;
+  float* my_total = total + t128;  // element j of this thread's part: my_total[128 j]
+  int it = 0, base = 0;            // base: *turn at the start of this tile
+  for (int t = int(blockIdx.x); t < total_tiles; t += int(gridDim.x), base += chunks) {
+    const int m0 = (t / p.n_tiles) * T::kBM, n0 = (t % p.n_tiles) * BN;
+    float acc[T::kAcc];
+    bool stores = false;
+    for (int ch = w; ch < chunks; ch += kWG) {
+#pragma unroll
+      for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.f;
+      const int kt_begin = ch * kKChunkTiles, kt_end = min(kt_begin + kKChunkTiles, k_tiles);
+      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&full_bar[w][s], (it / kStages) & 1);
+        const unsigned char* sa = smem + w * T::kRingBytes + s * T::kStageBytes;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < T::kBK / 16; ++kk) mma_step<BN, true, true>(acc, sa, sa + T::kABytes, kk);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_registers(acc);
+        if (kt > kt_begin) mbar_arrive(&empty_bar[w][(it - 1) % kStages]);
+      }
+      wgmma_wait<0>();
+      fence_registers(acc);
+      mbar_arrive(&empty_bar[w][(it - 1) % kStages]);
+      // Chunk ch's turn: the total holds (0 + c0) + ... + c(ch-1).
+      while (*turn != base + ch) {
+      }
+      __threadfence_block();
+#pragma unroll
+      for (int j = 0; j < T::kAcc; ++j) {
+        acc[j] = (ch == 0 ? 0.f : my_total[128 * j]) + acc[j];
+        if (ch + 1 < chunks) my_total[128 * j] = acc[j];
+      }
+      named_barrier_sync(2 + w, 128);  // the warpgroup's part of the total is written
+      if (t128 == 0) {
+        __threadfence_block();
+        *turn = base + ch + 1;
+      }
+      stores = ch == chunks - 1;
+    }
+    if (!stores) continue;
+    // ---- epilogue (the warpgroup of the last chunk): registers to global
+    const int m_valid = p.rows - m0, n_valid = p.out_f - n0;
+    TOut* gC = static_cast<TOut*>(p.c) + int64_t(m0) * p.ldc + n0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * wq + (lane >> 2) + 8 * h;
+      if (row >= m_valid) continue;
+      TOut* crow = gC + int64_t(row) * p.ldc;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = 8 * j + 2 * (lane & 3);
+        if (col < n_valid) store_pair(crow + col, acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], false);
+      }
+    }
+  }
+#else
+  __trap();  // built without sm_90a; the dispatcher never launches this
+#endif
+}
+
+template <class T, class TOut>
+void launch_plain_chunks_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
+  Sm90Params kp{};
+  kp.c = p.c;
+  kp.experts = 1;
+  kp.rows = int(p.rows);
+  kp.out_f = int(p.out_features);
+  kp.in_f = int(p.in_features);
+  kp.ldc = grouped_gemm_output_pitch(p);
+  kp.m_tiles = ceil_div(p.rows, T::kBM);
+  kp.n_tiles = ceil_div(p.out_features, T::kBN);
+  kp.k_splits = 1;
+  const int64_t tiles = int64_t(kp.m_tiles) * kp.n_tiles;
+  SLIME_CHECK(tiles < INT_MAX, "grouped_gemm: ", tiles, " tiles do not fit in int32");
+  const CUtensorMap ma = map_2d(p.a, uint64_t(p.in_features), uint64_t(p.rows), 64, T::kBM);
+  const CUtensorMap mb = map_weights(p.b, uint64_t(p.in_features), uint64_t(p.out_features), 1, 64, T::kBN);
+  const int grid = int(std::min<int64_t>(tiles, ::slime::ops::detail::tma::sm_count()));
+  auto kernel = plain_chunks_sm90_kernel<T, TOut>;
+  SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::smem_bytes()));
+  kernel<<<unsigned(grid), T::kThreads, T::smem_bytes(), stream>>>(ma, mb, kp);
+  SLIME_CUDA_CHECK_LAUNCH();
+}
+
 // Most K splits of a plain GEMM (their f32 partials: splits x rows x n x 4
 // bytes of p.workspace); a longer K runs unsplit.
 constexpr int kMaxKSplits = 32;
 
 // A plain forward GEMM (null offsets: the batch-invariant Linear) on the
-// chunked tiles; with n64 and fewer tiles than SMs, one CTA per K chunk
+// chunked tiles: the 64-row tiles with their chunks side by side (above);
+// n128; n64, which with fewer tiles than SMs gives each K chunk its own CTA
 // (f32 partials in p.workspace where they fit, then sum_k_splits_kernel).
 template <class TOut>
 void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream) {
-  SLIME_CHECK(tile == GroupedGemmTile::sm90_m128n128 || tile == GroupedGemmTile::sm90_m128n64,
-              "grouped_gemm: a plain GEMM (null offsets) runs the sm90_m128n128 or sm90_m128n64 tile (its K chunks "
-              "keep a second accumulator set), not ",
-              grouped_gemm_tile_name(tile));
-  if (tile == GroupedGemmTile::sm90_m128n128) return launch_sm90<Sm90M128N128Chunked, Pass::forward, TOut>(p, stream);
+  switch (tile) {
+    case GroupedGemmTile::sm90_m64n64:
+      return launch_plain_chunks_sm90<Sm90ChunkN64, TOut>(p, stream);
+    case GroupedGemmTile::sm90_m64n32:
+      return launch_plain_chunks_sm90<Sm90ChunkN32, TOut>(p, stream);
+    case GroupedGemmTile::sm90_m64n16:
+      return launch_plain_chunks_sm90<Sm90ChunkN16, TOut>(p, stream);
+    case GroupedGemmTile::sm90_m128n128:
+      return launch_sm90<Sm90M128N128Chunked, Pass::forward, TOut>(p, stream);
+    case GroupedGemmTile::sm90_m128n64:
+      break;
+    default:
+      SLIME_FAIL("grouped_gemm: with K chunks a plain GEMM (null offsets) runs the sm90_m128n128, sm90_m128n64 or a ",
+                 "64-row tile (the others keep one accumulator set), not ", grouped_gemm_tile_name(tile));
+  }
   using T = Sm90M128N64Chunked;
   const int64_t tiles = ceil_div(p.rows, T::kBM) * int64_t(ceil_div(p.out_features, T::kBN));
   const int64_t chunks = ceil_div(ceil_div(p.in_features, T::kBK), kKChunkTiles);
@@ -750,24 +931,33 @@ GroupedGemmTile plain_tile_override() {
   return tile;
 }
 
-// The tile of a plain forward GEMM (one group, no offsets) of `rows` x n: the
-// widest of n256 (n a multiple of 256; not with K chunks), n128 and n64 whose
-// tiles cover the SMs; for fewer rows (up to 256) the 64-row tiles, the
-// widest of n64, n32 and n16 whose tiles cover the SMs, else n16 (most
-// CTAs); with K chunks n64, whose calls of few rows also split K
-// (launch_plain_sm90). The tile changes which CTA sums an output element, not
-// the order of the sum over K, so the bits do not depend on the choice (the
-// batch-invariant mode relies on it; grouped_gemm.hpp).
+// The tile of a plain forward GEMM (one group, no offsets) of `rows` x n.
+// Many rows: the widest of n256 (n a multiple of 256; not with K chunks),
+// n128 and n64 whose 128-row tiles cover the SMs. Up to 256 rows (a decode
+// step), where a tile's time is mostly its serial chain of wgmmas over K:
+// up to 64 rows the 64-row tiles (a 128-row tile would be half empty);
+// 65-256 rows the 128-row n128 / n64 tiles where they cover the SMs, else
+// the 64-row ones; among those the widest of n64, n32 and n16 with at least
+// a quarter as many tiles as SMs (narrower tiles re-read x more often: on
+// an H100 at 256 rows n16 took 1.5-2.7x as long as n64; bench/RESULTS.md).
+// With K chunks the same, without n256; the 64-row tiles then run their
+// chunks side by side (plain_chunks_sm90_kernel), and n64 with fewer tiles
+// than SMs splits K over CTAs (launch_plain_sm90). The tile changes which
+// CTA (or warpgroup) sums an output element or chunk, not the order of the
+// sum over K, so the bits do not depend on the choice (the batch-invariant
+// mode relies on it; grouped_gemm.hpp).
 GroupedGemmTile grouped_gemm_sm90_plain_tile(int64_t rows, int64_t n) {
   const int64_t m_tiles = (rows + 127) / 128, sms = ::slime::ops::detail::tma::sm_count();
-  const bool chunks = plain_k_chunks();
-  if (!chunks && plain_tile_override() != GroupedGemmTile::automatic) return plain_tile_override();
-  if (!chunks && n % 256 == 0 && m_tiles * (n / 256) >= sms) return GroupedGemmTile::sm90_m128n256;
-  if (m_tiles * ((n + 127) / 128) >= sms) return GroupedGemmTile::sm90_m128n128;
-  if (chunks || rows > 256 || m_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m128n64;
+  if (plain_tile_override() != GroupedGemmTile::automatic) return plain_tile_override();
+  const bool chunks = plain_k_chunks(), few = rows <= 256;
+  if (!few || rows > 64) {
+    if (!chunks && n % 256 == 0 && m_tiles * (n / 256) >= sms) return GroupedGemmTile::sm90_m128n256;
+    if (m_tiles * ((n + 127) / 128) >= sms) return GroupedGemmTile::sm90_m128n128;
+    if (!few || m_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m128n64;
+  }
   const int64_t m64_tiles = (rows + 63) / 64;
-  if (m64_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m64n64;
-  if (m64_tiles * ((n + 31) / 32) >= sms) return GroupedGemmTile::sm90_m64n32;
+  if (4 * m64_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m64n64;
+  if (4 * m64_tiles * ((n + 31) / 32) >= sms) return GroupedGemmTile::sm90_m64n32;
   return GroupedGemmTile::sm90_m64n16;
 }
 

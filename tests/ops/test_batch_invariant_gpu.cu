@@ -213,8 +213,9 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
   // allowed. The bits must agree among the calls either way (run both).
   const char* chunks_env = std::getenv("SLIME_GEMM_K_CHUNKS");
   const bool chunks = chunks_env != nullptr && std::string(chunks_env) == "1";
-  // The automatic choice: for few rows the 64-row n16 tile (n64 with K
-  // chunks), n128 once its tiles cover the SMs (n256 only without K chunks).
+  // The automatic choice: for few rows the 64-row n16 tile (with K chunks:
+  // its chunks side by side), n128 once its tiles cover the SMs (n256 only
+  // without K chunks).
   {
     ops::cuda::GroupedGemmParams q;
     q.experts = 1;
@@ -222,8 +223,7 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
     q.in_features = 1024;
     q.rows = 1;
     if (std::getenv("SLIME_GEMM_PLAIN_TILE") == nullptr)
-      CHECK(ops::cuda::grouped_gemm_tile_for(q) ==
-            (chunks ? GroupedGemmTile::sm90_m128n64 : GroupedGemmTile::sm90_m64n16));
+      CHECK(ops::cuda::grouped_gemm_tile_for(q) == GroupedGemmTile::sm90_m64n16);
     q.rows = 128 * 4 * 1024;
     CHECK(ops::cuda::grouped_gemm_tile_for(q) ==
           (chunks ? GroupedGemmTile::sm90_m128n128 : GroupedGemmTile::sm90_m128n256));
@@ -251,8 +251,8 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
     return y;
   };
   // The big batch: 2200 rows, so that N >= 1024 runs n128 unsplit; its first
-  // rows again as 1, 7 and 300 rows (n64, K split where the tiles are few) and
-  // with each tile forced. (K, N): one K chunk (64), a partial last k-step and
+  // rows again as 1, 7, 64 and 300 rows (the 64-row tiles; with K chunks n64
+  // splits K where its tiles are few) and with each tile forced. (K, N): one K chunk (64), a partial last k-step and
   // chunk (1000), 8 chunks (2048); partial n tiles (200, 776).
   const int64_t kn[][2] = {{64, 256}, {1000, 768}, {2048, 1024}, {136, 200}, {512, 776}};
   constexpr int64_t kBig = 2200;
@@ -277,13 +277,13 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
               (out_dt == DType::bf16 ? 5e-3 : 1e-4));
         CHECK(finite);
       }
-      // The 64-row tiles (forward only, one accumulator) run without K chunks.
-      std::vector<GroupedGemmTile> tiles = {GroupedGemmTile::automatic, GroupedGemmTile::sm90_m128n128,
-                                            GroupedGemmTile::sm90_m128n64};
-      if (!chunks)
-        tiles.insert(tiles.end(),
-                     {GroupedGemmTile::sm90_m64n64, GroupedGemmTile::sm90_m64n32, GroupedGemmTile::sm90_m64n16});
-      for (int64_t rows : {1, 7, 300}) {
+      // The 64-row tiles: one accumulator, or with K chunks their chunks side
+      // by side in one CTA (1000 and 2048 of K: 4 and 8 chunks over 4
+      // warpgroups, a CTA's ordered sum handed on between them).
+      const GroupedGemmTile tiles[] = {GroupedGemmTile::automatic,    GroupedGemmTile::sm90_m128n128,
+                                       GroupedGemmTile::sm90_m128n64, GroupedGemmTile::sm90_m64n64,
+                                       GroupedGemmTile::sm90_m64n32,  GroupedGemmTile::sm90_m64n16};
+      for (int64_t rows : {1, 7, 64, 300}) {
         for (GroupedGemmTile t : tiles) {
           // No workspace (unsplit), one too small for 2 chunks (unsplit), a full one (split where few tiles).
           for (std::size_t ws : {std::size_t(0), std::size_t(rows * N * 4), std::size_t(32) << 20}) {
@@ -297,7 +297,7 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
     // n256 keeps one accumulator set: it cannot chunk K, so a plain GEMM refuses it.
     if (chunks) {
       CHECK_THROWS_WITH(run(x.slice_rows(0, 7), w, DType::bf16, GroupedGemmTile::sm90_m128n256),
-                        ContainsSubstring("runs the sm90_m128n128 or sm90_m128n64 tile"));
+                        ContainsSubstring("runs the sm90_m128n128, sm90_m128n64 or a 64-row tile"));
     } else if (N % 256 == 0) {
       const std::size_t row_bytes = std::size_t(N) * 2;
       const auto want = bytes_of(run(x, w, DType::bf16, GroupedGemmTile::automatic), s);
