@@ -823,11 +823,12 @@ void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStr
   SLIME_CUDA_CHECK_LAUNCH();
 }
 
-// SLIME_GEMM_K_CHUNKS=1 runs the plain GEMM on the chunked tiles (and the K
-// split for few rows); by default it sums K in one accumulator on n256, n128
-// or n64. Opt-in: on an H100 the chunks cost the mode's FSDP step more than
-// they saved (bench/RESULTS.md, "K chunks and packed decode heads"), and the
-// split's partial sums took 18% of a batch-256 decode step's GPU time.
+// SLIME_GEMM_K_CHUNKS=1 runs the plain GEMM on the chunked tiles (the
+// 64-row ones with their chunks side by side; n64 splits K over CTAs for
+// more rows); by default it sums K in one accumulator. Opt-in: on an H100
+// the chunks cost the mode's FSDP step about 1.5 points more and left decode
+// within noise, even side by side in one CTA (bench/RESULTS.md, "64-row tiles
+// for a decode step's GEMMs").
 bool plain_k_chunks() {
   static const bool on = [] {
     const char* v = std::getenv("SLIME_GEMM_K_CHUNKS");

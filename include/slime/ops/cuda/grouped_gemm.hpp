@@ -214,9 +214,11 @@ bool grouped_gemm_hopper_kernels();
 // element, never the order of its sum over K (64-wide k-steps in order, each
 // four wgmma k16 steps into one fp32 accumulator). With SLIME_GEMM_K_CHUNKS=1
 // (opt-in) it sums K in chunks of 256 instead (each chunk in a fresh fp32
-// accumulator, the chunk sums added in order) on n128 or n64, and with fewer
-// n64 tiles than SMs gives each chunk its own CTA and an f32 partial in
-// p.workspace, added in the same order afterwards. Either way the bits do not
+// accumulator, the chunk sums added in order) on n128, n64 or the 64-row
+// tiles, which run a tile's chunks side by side on four warpgroups of one
+// CTA; with fewer n64 tiles than SMs (more than 256 rows) each chunk gets its
+// own CTA and an f32 partial in p.workspace, added in the same order
+// afterwards. Either way the bits do not
 // depend on the rows (test_batch_invariant_gpu checks the calls against each
 // other, in both settings).
 GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p);
