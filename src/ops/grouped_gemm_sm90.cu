@@ -131,7 +131,7 @@ using Sm90M128N64 = Sm90Tile<64, 7, 1, true>;  // 168 KB + 16 (bf16) or 32 (f32)
 using Sm90M128N128Chunked = Sm90Tile<128, 4, 1, true, true>;
 using Sm90M128N64Chunked = Sm90Tile<64, 7, 1, true, true>;
 // Forward only, few rows: one consumer warpgroup; a stage is 8 KB of x and
-// 8, 4 or 2 KB of weights, and 12-16 of them keep 150-190 KB in flight per SM.
+// 8, 4 or 2 KB of weights, and 12-16 of them keep 160-192 KB in flight per SM.
 using Sm90M64N64 = Sm90Tile<64, 12, 1, false, false, 64>;
 using Sm90M64N32 = Sm90Tile<32, 16, 1, false, false, 64>;
 using Sm90M64N16 = Sm90Tile<16, 16, 1, false, false, 64>;
@@ -934,9 +934,9 @@ GroupedGemmTile plain_tile_override() {
 
 // The tile of a plain forward GEMM (one group, no offsets) of `rows` x n.
 // Many rows: the widest of n256 (n a multiple of 256; not with K chunks),
-// n128 and n64 whose 128-row tiles cover the SMs. Up to 256 rows (a decode
-// step), where a tile's time is mostly its serial chain of wgmmas over K:
-// up to 64 rows the 64-row tiles (a 128-row tile would be half empty);
+// n128 and n64 whose 128-row tiles cover the SMs (else n64). Up to 256 rows
+// (a decode step), where a call's time is its CTAs loading their tiles
+// rather than computing (bench/RESULTS.md): up to 64 rows the 64-row tiles (a 128-row tile would be half empty);
 // 65-256 rows the 128-row n128 / n64 tiles where they cover the SMs, else
 // the 64-row ones; among those the widest of n64, n32 and n16 with at least
 // a quarter as many tiles as SMs (narrower tiles re-read x more often: on
@@ -950,11 +950,10 @@ GroupedGemmTile plain_tile_override() {
 GroupedGemmTile grouped_gemm_sm90_plain_tile(int64_t rows, int64_t n) {
   const int64_t m_tiles = (rows + 127) / 128, sms = ::slime::ops::detail::tma::sm_count();
   if (plain_tile_override() != GroupedGemmTile::automatic) return plain_tile_override();
-  const bool chunks = plain_k_chunks(), few = rows <= 256;
-  if (!few || rows > 64) {
-    if (!chunks && n % 256 == 0 && m_tiles * (n / 256) >= sms) return GroupedGemmTile::sm90_m128n256;
+  if (rows > 64) {
+    if (!plain_k_chunks() && n % 256 == 0 && m_tiles * (n / 256) >= sms) return GroupedGemmTile::sm90_m128n256;
     if (m_tiles * ((n + 127) / 128) >= sms) return GroupedGemmTile::sm90_m128n128;
-    if (!few || m_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m128n64;
+    if (rows > 256 || m_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m128n64;
   }
   const int64_t m64_tiles = (rows + 63) / 64;
   if (4 * m64_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m64n64;

@@ -210,17 +210,18 @@ bool grouped_gemm_hopper_kernels();
 // Hopper kernels a plain forward GEMM (null offsets: the batch-invariant
 // Linear) of few rows takes a narrower tile (n128, n64, then the 64-row
 // m64n64 / m64n32 / m64n16) where the n256 tiles would leave most SMs idle
-// (SLIME_GEMM_PLAIN_TILE=<tile name> forces one, for benchmarks): the tile's width changes which CTA sums an
-// element, never the order of its sum over K (64-wide k-steps in order, each
-// four wgmma k16 steps into one fp32 accumulator). With SLIME_GEMM_K_CHUNKS=1
+// (SLIME_GEMM_PLAIN_TILE=<tile name> forces one, for benchmarks): the tile
+// changes which CTA sums an element, never the order of its sum over K
+// (64-wide k-steps in order, each four wgmma k16 steps into one fp32
+// accumulator). With SLIME_GEMM_K_CHUNKS=1
 // (opt-in) it sums K in chunks of 256 instead (each chunk in a fresh fp32
 // accumulator, the chunk sums added in order) on n128, n64 or the 64-row
 // tiles, which run a tile's chunks side by side on four warpgroups of one
 // CTA; with fewer n64 tiles than SMs (more than 256 rows) each chunk gets its
 // own CTA and an f32 partial in p.workspace, added in the same order
-// afterwards. Either way the bits do not
-// depend on the rows (test_batch_invariant_gpu checks the calls against each
-// other, in both settings).
+// afterwards. Either way the bits do not depend on the rows
+// (test_batch_invariant_gpu checks the calls against each other, in both
+// settings).
 GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p);
 
 // "m128n256k64", ..., "simple", "automatic".
