@@ -16,11 +16,12 @@
 //     kernel choice depends on M. Each output element is summed over K in
 //     one fixed order whatever M is (64-wide k-steps in turn into one fp32
 //     accumulator); on Hopper a call of few rows (a decode step) takes a
-//     narrower tile (n128, n64) so that its weight rows spread over the SMs,
-//     which moves the sums between CTAs without changing them. (Opt-in,
-//     SLIME_GEMM_K_CHUNKS=1: K summed in chunks of 256, each in a fresh
-//     accumulator and added in order, and few rows split K over CTAs; same
-//     rule, other bits.) The backward GEMMs stay on cuBLAS (they feed no
+//     narrower or lower tile (n128, n64, or 64 rows by 64, 32 or 16) so that
+//     its weight rows spread over the SMs, which moves the sums between CTAs
+//     without changing them. (Opt-in, SLIME_GEMM_K_CHUNKS=1: K summed in
+//     chunks of 256, each in a fresh accumulator and added in order; a
+//     64-row tile runs its chunks side by side on four warpgroups, and more
+//     rows on few n64 tiles split K over CTAs; same rule, other bits.) The backward GEMMs stay on cuBLAS (they feed no
 //     logprob).
 //   - the grouped GEMM of the MoE experts never takes the cuBLAS backend
 //     (its host offsets are ignored): the kernels' tiles depend on the
