@@ -19,7 +19,7 @@ CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 CASES=(
   "test_ops_grouped_gemm_gpu|grouped GEMM Hopper kernels on ragged partial tiles"
   "test_ops_attention_gpu|attention on CUDA: the deterministic backward gives the same dq bits every run"
-  "test_ops_attention_gpu|attention on CUDA: the mma.sync and the Hopper (sm90) forward each match the CPU reference"
+  "test_ops_attention_gpu|attention on CUDA: the mma.sync and the Hopper (sm90) kernels each match the CPU reference"
 )
 failed=0
 for entry in "${CASES[@]}"; do

@@ -37,6 +37,7 @@
 // element is summed by one thread of one CTA in a fixed order: bitwise run to
 // run; not bitwise equal to the mma.sync kernels (other k order inside a
 // wgmma).
+#include <cooperative_groups.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -57,6 +58,8 @@
 #include "tensor_map.hpp"
 
 namespace slime::ops::cuda {
+
+GroupedGemmTile plain_tile_override();  // below: SLIME_GEMM_PLAIN_TILE
 
 namespace {
 
@@ -153,7 +156,13 @@ struct Sm90Params {
   // s sums K chunk s alone into partial [k_splits][rows][out_f] f32).
   int k_splits;
   float* partial;
+  // forward, a plain GEMM of at most kMFastestTiles m-tiles (a decode step):
+  // tiles in m-tile order first, so that the CTAs of one round share each
+  // weight slab in L2 rather than re-reading it in the next round (lm_head at
+  // 256 rows reads 65 MB of weights, more than L2 holds).
+  bool m_fastest;
 };
+constexpr int kMFastestTiles = 8;
 
 // Bytes of the per-CTA tile table (tile_start and row_start, E + 1 ints each)
 // that follows the pipeline stages in dynamic shared memory.
@@ -209,8 +218,13 @@ __device__ __forceinline__ Sm90TileCoord locate(const int* tile_start, const int
     c.split = local % p.k_splits;
     local /= p.k_splits;
   }
-  c.m0 = (local / p.n_tiles) * T::kBM;
-  c.n0 = (local % p.n_tiles) * T::kBN;
+  if (kPass == Pass::forward && p.m_fastest) {
+    c.m0 = (local % p.m_tiles) * T::kBM;
+    c.n0 = (local / p.m_tiles) * T::kBN;
+  } else {
+    c.m0 = (local / p.n_tiles) * T::kBM;
+    c.n0 = (local % p.n_tiles) * T::kBN;
+  }
   if constexpr (kPass == Pass::backward_weight) {
     c.a_row = r0;
     c.k_len = n_e;
@@ -581,6 +595,10 @@ void launch_sm90(const GroupedGemmParams& p, cudaStream_t stream, int k_splits =
   } else {
     kp.n_tiles = ceil_div(kPass == Pass::forward ? p.out_features : p.in_features, BN);
     ctas = (int64_t(ceil_div(p.rows, T::kBM)) + p.experts) * kp.n_tiles * k_splits;
+    if (kPass == Pass::forward && p.offsets == nullptr && ceil_div(p.rows, T::kBM) <= kMFastestTiles) {
+      kp.m_tiles = ceil_div(p.rows, T::kBM);
+      kp.m_fastest = true;
+    }
   }
   SLIME_CHECK(ctas < INT_MAX, "grouped_gemm: ", ctas, " tiles do not fit in int32");
   if (ctas == 0) return;
@@ -638,6 +656,33 @@ struct Sm90ChunkTile {
 using Sm90ChunkN64 = Sm90ChunkTile<64, 4, 3>;  // 192 KB of rings + 16 KB of total
 using Sm90ChunkN32 = Sm90ChunkTile<32, 4, 4>;  // 192 + 8
 using Sm90ChunkN16 = Sm90ChunkTile<16, 4, 4>;  // 160 + 4
+
+// One K chunk of a 64-row K-major tile: k-steps [kt_begin, kt_end) summed
+// into acc from zeros, read from a ring of kStages stages (x [64][64], then
+// the weights [BN][64]) behind full / empty barriers; `it` counts the ring's
+// k-steps. Every stage read is freed by the time it returns.
+template <int BN, int kStages, int kStageBytes>
+__device__ __forceinline__ void sum_chunk(float (&acc)[BN / 2], const unsigned char* ring, uint64_t* full,
+                                          uint64_t* empty, int kt_begin, int kt_end, int& it) {
+  constexpr int kABytes = 64 * 64 * 2;
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
+    const int s = it % kStages;
+    mbar_wait(&full[s], (it / kStages) & 1);
+    const unsigned char* sa = ring + s * kStageBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) mma_step<BN, true, true>(acc, sa, sa + kABytes, kk);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_registers(acc);
+    if (kt > kt_begin) mbar_arrive(&empty[(it - 1) % kStages]);
+  }
+  wgmma_wait<0>();
+  fence_registers(acc);
+  if (kt_end > kt_begin) mbar_arrive(&empty[(it - 1) % kStages]);
+}
 
 template <class T, class TOut>
 __global__ void __launch_bounds__(T::kThreads, 1)
@@ -702,24 +747,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     float acc[T::kAcc];
     bool stores = false;
     for (int ch = w; ch < chunks; ch += kWG) {
-#pragma unroll
-      for (int i = 0; i < T::kAcc; ++i) acc[i] = 0.f;
       const int kt_begin = ch * kKChunkTiles, kt_end = min(kt_begin + kKChunkTiles, k_tiles);
-      for (int kt = kt_begin; kt < kt_end; ++kt, ++it) {
-        const int s = it % kStages;
-        mbar_wait(&full_bar[w][s], (it / kStages) & 1);
-        const unsigned char* sa = smem + w * T::kRingBytes + s * T::kStageBytes;
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < T::kBK / 16; ++kk) mma_step<BN, true, true>(acc, sa, sa + T::kABytes, kk);
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_registers(acc);
-        if (kt > kt_begin) mbar_arrive(&empty_bar[w][(it - 1) % kStages]);
-      }
-      wgmma_wait<0>();
-      fence_registers(acc);
-      mbar_arrive(&empty_bar[w][(it - 1) % kStages]);
+      sum_chunk<BN, kStages, T::kStageBytes>(acc, smem + w * T::kRingBytes, full_bar[w], empty_bar[w], kt_begin, kt_end,
+                                             it);
       // Chunk ch's turn: the total holds (0 + c0) + ... + c(ch-1).
       while (*turn != base + ch) {
       }
@@ -757,8 +787,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #endif
 }
 
-template <class T, class TOut>
-void launch_plain_chunks_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
+// The kernel parameters of a plain GEMM (one group, null offsets) on tiles T.
+template <class T>
+Sm90Params plain_params(const GroupedGemmParams& p, int k_splits) {
   Sm90Params kp{};
   kp.c = p.c;
   kp.experts = 1;
@@ -768,7 +799,13 @@ void launch_plain_chunks_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   kp.ldc = grouped_gemm_output_pitch(p);
   kp.m_tiles = ceil_div(p.rows, T::kBM);
   kp.n_tiles = ceil_div(p.out_features, T::kBN);
-  kp.k_splits = 1;
+  kp.k_splits = k_splits;
+  return kp;
+}
+
+template <class T, class TOut>
+void launch_plain_chunks_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
+  const Sm90Params kp = plain_params<T>(p, 1);
   const int64_t tiles = int64_t(kp.m_tiles) * kp.n_tiles;
   SLIME_CHECK(tiles < INT_MAX, "grouped_gemm: ", tiles, " tiles do not fit in int32");
   const CUtensorMap ma = map_2d(p.a, uint64_t(p.in_features), uint64_t(p.rows), 64, T::kBM);
@@ -778,6 +815,261 @@ void launch_plain_chunks_sm90(const GroupedGemmParams& p, cudaStream_t stream) {
   SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::smem_bytes()));
   kernel<<<unsigned(grid), T::kThreads, T::smem_bytes(), stream>>>(ma, mb, kp);
   SLIME_CUDA_CHECK_LAUNCH();
+}
+
+// SLIME_GEMM_K_CHUNKS=1 runs the plain GEMM on the chunked tiles (the
+// 64-row ones with their chunks side by side; n64 splits K over CTAs for
+// more rows); by default it sums K in one accumulator. Opt-in: on an H100
+// the chunks cost the mode's FSDP step about 1.5 points more and left decode
+// within noise, even side by side in one CTA (bench/RESULTS.md, "64-row tiles
+// for a decode step's GEMMs").
+bool plain_k_chunks() {
+  static const bool on = [] {
+    const char* v = std::getenv("SLIME_GEMM_K_CHUNKS");
+    return v != nullptr && std::string_view(v) == "1";
+  }();
+  return on;
+}
+
+// ---- K chunks over a cluster: the plain GEMM of few rows ------------------------------
+// A 64 x BN output tile per cluster of C CTAs (cluster dims (C, 1, 1), C = p.k_splits,
+// 1..8). CTA r of the cluster sums the tile's K chunks [r q, (r + 1) q)
+// (q = ceil(chunks / C); kKChunkTiles k-steps, 256 of K, per chunk), each in a
+// fresh accumulator, and writes each chunk sum to its own shared memory,
+// f32 [q][64][BN + 8]. After a cluster barrier CTA r finishes rows
+// [64 r / C, 64 (r + 1) / C) of the tile: for each element it adds the chunk
+// sums of all CTAs in chunk order, ((0 + c0) + c1) + ..., reading its peers'
+// shared memory (distributed shared memory), and rounds once. Those are the
+// sums of the chunked one-CTA tiles bit for bit. Each CTA loads only its
+// chunks' share of x and of the weights: a call with fewer tiles than SMs
+// (a decode step) spreads its loading over C times as many SMs, with no f32
+// partials in global memory and no second kernel (the K split above needs
+// both). A second cluster barrier keeps every CTA's shared memory alive
+// until its peers have read it.
+template <int BN, int Stages>
+struct Sm90ClusterKTile {
+  static constexpr int kBM = 64, kBN = BN, kBK = 64, kStages = Stages;
+  static constexpr int kThreads = 128 + 32;  // one consumer warpgroup, one producer warp
+  static constexpr int kABytes = kBM * kBK * 2, kBBytes = BN * kBK * 2, kStageBytes = kABytes + kBBytes;
+  static constexpr int kAcc = BN / 2;
+  // Row pitch of a chunk sum in floats: + 8 puts the 8 rows of a warp's
+  // float2 stores in different banks.
+  static constexpr int kSumPitch = BN + 8;
+  static constexpr int kSumBytes = kBM * kSumPitch * 4;
+  static constexpr int kMaxChunksPerCta = (227 * 1024 - 1024 - Stages * kStageBytes) / kSumBytes;
+  static constexpr int smem_bytes(int q) { return Stages * kStageBytes + q * kSumBytes + 1024; }
+  static_assert(kStageBytes % 1024 == 0, "128-byte swizzled stages start at 1024-byte boundaries");
+  static_assert(kMaxChunksPerCta >= 1, "a chunk sum fits beside the stages");
+};
+using Sm90ClusterKN128 = Sm90ClusterKTile<128, 4>;  // 96 KB of stages, 34 KB per chunk sum: up to 3 chunks
+using Sm90ClusterKN64 = Sm90ClusterKTile<64, 6>;    // 96 KB, 18 KB per chunk: up to 7
+using Sm90ClusterKN32 = Sm90ClusterKTile<32, 8>;    // 96 KB, 10 KB per chunk: up to 12
+
+template <class T, class TOut>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    plain_cluster_k_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                                const Sm90Params p) {
+#if SLIME_SM90A
+  namespace cg = cooperative_groups;
+  constexpr int BN = T::kBN, kStages = T::kStages, kPitch = T::kSumPitch;
+  extern __shared__ __align__(1024) unsigned char sm90_smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[kStages];
+  __shared__ __align__(8) uint64_t empty_bar[kStages];
+  unsigned char* smem = sm90_smem_raw + ((1024 - (smem_u32(sm90_smem_raw) & 1023)) & 1023);
+  float* sums = reinterpret_cast<float*>(smem + kStages * T::kStageBytes);  // [q][64][kPitch]
+
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int C = p.k_splits, rank = int(cluster.block_rank());
+  // Tiles m fastest: neighbouring clusters share a slab of weights in L2.
+  const int tile = int(blockIdx.x) / C;
+  const int m0 = (tile % p.m_tiles) * T::kBM, n0 = (tile / p.m_tiles) * BN;
+  const int k_tiles = (p.in_f + T::kBK - 1) / T::kBK;
+  const int chunks = (k_tiles + kKChunkTiles - 1) / kKChunkTiles, q = (chunks + C - 1) / C;
+  const int ch_begin = min(rank * q, chunks), ch_end = min(ch_begin + q, chunks);
+  const int kt_begin = ch_begin * kKChunkTiles, kt_end = min(ch_end * kKChunkTiles, k_tiles);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full_bar[s], 1);
+      mbar_init(&empty_bar[s], 128);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (warp == 4) {
+    // ---- producer: this CTA's k-steps, x [rows, in] box {64 k, 64 rows}, w [1, out, in] box {64 k, BN n, 1}
+    if (lane == 0) {
+      tma_prefetch_descriptor(&map_a);
+      tma_prefetch_descriptor(&map_b);
+      for (int kt = kt_begin, it = 0; kt < kt_end; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(&empty_bar[s], ((it / kStages) & 1) ^ 1);
+        unsigned char* sa = smem + s * T::kStageBytes;
+        uint64_t* bar = &full_bar[s];
+        mbar_arrive_expect_tx(bar, T::kStageBytes);
+        tma_load_2d(sa, &map_a, bar, kt * T::kBK, m0);
+        tma_load_3d(sa + T::kABytes, &map_b, bar, kt * T::kBK, n0, 0);
+      }
+    }
+  } else {
+    // ---- consumers: one chunk sum at a time, written to this CTA's slot ch - ch_begin
+    const int wq = warp & 3;
+    int it = 0;
+    for (int ch = ch_begin; ch < ch_end; ++ch) {
+      float acc[T::kAcc];
+      const int kb = ch * kKChunkTiles;
+      sum_chunk<BN, kStages, T::kStageBytes>(acc, smem, full_bar, empty_bar, kb, min(kb + kKChunkTiles, k_tiles), it);
+      float* dst = sums + (ch - ch_begin) * (T::kBM * kPitch);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * wq + (lane >> 2) + 8 * h;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+          *reinterpret_cast<float2*>(dst + row * kPitch + 8 * j + 2 * (lane & 3)) =
+              make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      }
+    }
+  }
+  __syncwarp();    // the producer warp's lanes meet again before the cluster barrier
+  cluster.sync();  // every chunk sum of the tile is in its CTA's shared memory
+
+  // ---- this CTA's rows of the tile: the chunk sums in chunk order, then one rounding
+  const int r_begin = rank * T::kBM / C, r_end = (rank + 1) * T::kBM / C;
+  const int m_valid = p.rows - m0, n_valid = p.out_f - n0;
+  TOut* gC = static_cast<TOut*>(p.c) + int64_t(m0) * p.ldc + n0;
+  constexpr int kQuads = BN / 4;
+  for (int i = tid; i < (r_end - r_begin) * kQuads; i += T::kThreads) {
+    const int row = r_begin + i / kQuads, col = 4 * (i % kQuads);
+    if (row >= m_valid || col >= n_valid) continue;
+    float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int ch = 0; ch < chunks; ++ch) {
+      const float* src = cluster.map_shared_rank(sums, ch / q) + (ch % q) * (T::kBM * kPitch) + row * kPitch + col;
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      t.x += v.x;
+      t.y += v.y;
+      t.z += v.z;
+      t.w += v.w;
+    }
+    TOut* crow = gC + int64_t(row) * p.ldc + col;
+    store_pair(crow, t.x, t.y, false);
+    if (col + 2 < n_valid) store_pair(crow + 2, t.z, t.w, false);
+  }
+  cluster.sync();  // the peers are done reading this CTA's chunk sums
+#else
+  __trap();  // built without sm_90a; the dispatcher never launches this
+#endif
+}
+
+// The cluster K split's shape for a plain GEMM: cluster size and chunks per CTA.
+struct ClusterKPlan {
+  int ctas = 0, c = 0, q = 0;  // ctas = tiles x c; 0: this width does not split
+};
+template <class T>
+ClusterKPlan plan_cluster_k(int64_t rows, int64_t n, int64_t chunks, int64_t sms) {
+  const int64_t tiles = ((rows + T::kBM - 1) / T::kBM) * ((n + T::kBN - 1) / T::kBN);
+  const int64_t c_max = std::min<int64_t>({8, chunks, sms / std::max<int64_t>(tiles, 1)});
+  ClusterKPlan plan;
+  if (c_max < 2) return plan;
+  const int64_t q = (chunks + c_max - 1) / c_max, c = (chunks + q - 1) / q;  // every CTA gets a chunk
+  if (q > T::kMaxChunksPerCta || c < 2) return plan;
+  plan.ctas = int(tiles * c);
+  plan.c = int(c);
+  plan.q = int(q);
+  return plan;
+}
+
+template <class T, class TOut>
+void launch_plain_cluster_k_sm90(const GroupedGemmParams& p, const ClusterKPlan& plan, cudaStream_t stream) {
+  const Sm90Params kp = plain_params<T>(p, plan.c);
+  const CUtensorMap ma = map_2d(p.a, uint64_t(p.in_features), uint64_t(p.rows), 64, T::kBM);
+  const CUtensorMap mb = map_weights(p.b, uint64_t(p.in_features), uint64_t(p.out_features), 1, 64, T::kBN);
+  auto kernel = plain_cluster_k_sm90_kernel<T, TOut>;
+  // The shared-memory attribute once per kernel and device (devices 0-63):
+  // its host cost would count in every call of a decode step.
+  static std::atomic<uint64_t> attribute_set{0};
+  int device = 0;
+  SLIME_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit == 0 || (attribute_set.load(std::memory_order_relaxed) & bit) == 0) {
+    SLIME_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::smem_bytes(T::kMaxChunksPerCta)));
+    attribute_set.fetch_or(bit, std::memory_order_relaxed);
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(plan.ctas));
+  cfg.blockDim = dim3(T::kThreads);
+  cfg.dynamicSmemBytes = std::size_t(T::smem_bytes(plan.q));
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(plan.c);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  SLIME_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ma, mb, kp));
+}
+
+// SLIME_GEMM_CLUSTER_K=0 keeps the chunked plain GEMM of few rows off the
+// cluster K split (the before/after benchmarks); on by default.
+bool plain_cluster_k() {
+  static const bool on = [] {
+    const char* v = std::getenv("SLIME_GEMM_CLUSTER_K");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return on;
+}
+
+// With K chunks (SLIME_GEMM_K_CHUNKS=1), an automatic plain GEMM of at most
+// 256 rows whose tiles leave SMs idle runs the cluster K split: of n128, n64
+// and n32 the width that gives the most CTAs (at most one per SM; the wider
+// on a tie: it re-reads x less). width 0: no split (K chunks off, a forced
+// tile, more rows, fewer than 2 chunks, or tiles enough to cover the SMs).
+struct ClusterKChoice {
+  int width = 0;
+  ClusterKPlan plan;
+};
+ClusterKChoice choose_cluster_k(const GroupedGemmParams& p) {
+  ClusterKChoice choice;
+  if (p.pass != Pass::forward || p.offsets != nullptr || p.rows > 256 || p.rows == 0 || !plain_k_chunks() ||
+      !plain_cluster_k() || p.tile != GroupedGemmTile::automatic || plain_tile_override() != GroupedGemmTile::automatic)
+    return choice;
+  const int64_t chunks = ceil_div(ceil_div(p.in_features, 64), kKChunkTiles);
+  const int64_t sms = ::slime::ops::detail::tma::sm_count();
+  const ClusterKPlan n128 = plan_cluster_k<Sm90ClusterKN128>(p.rows, p.out_features, chunks, sms);
+  const ClusterKPlan n64 = plan_cluster_k<Sm90ClusterKN64>(p.rows, p.out_features, chunks, sms);
+  const ClusterKPlan n32 = plan_cluster_k<Sm90ClusterKN32>(p.rows, p.out_features, chunks, sms);
+  const int best = std::max({n128.ctas, n64.ctas, n32.ctas});
+  if (best == 0) return choice;
+  if (n128.ctas == best) {
+    choice = {128, n128};
+  } else if (n64.ctas == best) {
+    choice = {64, n64};
+  } else {
+    choice = {32, n32};
+  }
+  return choice;
+}
+
+template <class TOut>
+bool try_plain_cluster_k(const GroupedGemmParams& p, cudaStream_t stream) {
+  const ClusterKChoice choice = choose_cluster_k(p);
+  switch (choice.width) {
+    case 128:
+      launch_plain_cluster_k_sm90<Sm90ClusterKN128, TOut>(p, choice.plan, stream);
+      return true;
+    case 64:
+      launch_plain_cluster_k_sm90<Sm90ClusterKN64, TOut>(p, choice.plan, stream);
+      return true;
+    case 32:
+      launch_plain_cluster_k_sm90<Sm90ClusterKN32, TOut>(p, choice.plan, stream);
+      return true;
+    default:
+      return false;
+  }
 }
 
 // Most K splits of a plain GEMM (their f32 partials: splits x rows x n x 4
@@ -790,6 +1082,7 @@ constexpr int kMaxKSplits = 32;
 // (f32 partials in p.workspace where they fit, then sum_k_splits_kernel).
 template <class TOut>
 void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStream_t stream) {
+  if (try_plain_cluster_k<TOut>(p, stream)) return;
   switch (tile) {
     case GroupedGemmTile::sm90_m64n64:
       return launch_plain_chunks_sm90<Sm90ChunkN64, TOut>(p, stream);
@@ -821,20 +1114,6 @@ void launch_plain_sm90(GroupedGemmTile tile, const GroupedGemmParams& p, cudaStr
   sum_k_splits_kernel<TOut><<<blocks, kThreads, 0, stream>>>(partial, static_cast<TOut*>(p.c), int(chunks), p.rows,
                                                              p.out_features, grouped_gemm_output_pitch(p));
   SLIME_CUDA_CHECK_LAUNCH();
-}
-
-// SLIME_GEMM_K_CHUNKS=1 runs the plain GEMM on the chunked tiles (the
-// 64-row ones with their chunks side by side; n64 splits K over CTAs for
-// more rows); by default it sums K in one accumulator. Opt-in: on an H100
-// the chunks cost the mode's FSDP step about 1.5 points more and left decode
-// within noise, even side by side in one CTA (bench/RESULTS.md, "64-row tiles
-// for a decode step's GEMMs").
-bool plain_k_chunks() {
-  static const bool on = [] {
-    const char* v = std::getenv("SLIME_GEMM_K_CHUNKS");
-    return v != nullptr && std::string_view(v) == "1";
-  }();
-  return on;
 }
 
 template <Pass kPass, class TOut>
@@ -959,6 +1238,11 @@ GroupedGemmTile grouped_gemm_sm90_plain_tile(int64_t rows, int64_t n) {
   if (4 * m64_tiles * ((n + 63) / 64) >= sms) return GroupedGemmTile::sm90_m64n64;
   if (4 * m64_tiles * ((n + 31) / 32) >= sms) return GroupedGemmTile::sm90_m64n32;
   return GroupedGemmTile::sm90_m64n16;
+}
+
+int grouped_gemm_sm90_cluster_k(const GroupedGemmParams& p) {
+  if (!grouped_gemm_sm90_built() || !grouped_gemm_sm90_device()) return 0;
+  return choose_cluster_k(p).plan.c;
 }
 
 // Called by grouped_gemm (grouped_gemm.cu) after its checks, for a sm90 tile,

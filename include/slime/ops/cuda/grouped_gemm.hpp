@@ -224,6 +224,14 @@ bool grouped_gemm_hopper_kernels();
 // settings).
 GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p);
 
+// With K chunks, an automatic plain forward GEMM of at most 256 rows whose
+// tiles leave SMs idle runs the cluster K split instead of the tile that
+// grouped_gemm_tile_for names: a 64 x 128, 64 or 32 tile per cluster of up to
+// 8 CTAs, each summing a share of the K chunks, the chunk sums added in order
+// through distributed shared memory (the same bits; SLIME_GEMM_CLUSTER_K=0
+// turns it off). The cluster size that p runs with, 0 when it does not.
+int grouped_gemm_sm90_cluster_k(const GroupedGemmParams& p);
+
 // "m128n256k64", ..., "simple", "automatic".
 const char* grouped_gemm_tile_name(GroupedGemmTile t);
 
