@@ -833,37 +833,39 @@ bool plain_k_chunks() {
 
 // ---- K chunks over a cluster: the plain GEMM of few rows ------------------------------
 // A 64 x BN output tile per cluster of C CTAs (cluster dims (C, 1, 1), C = p.k_splits,
-// 1..8). CTA r of the cluster sums the tile's K chunks [r q, (r + 1) q)
+// 2..8). CTA r of the cluster sums the tile's K chunks [r q, (r + 1) q)
 // (q = ceil(chunks / C); kKChunkTiles k-steps, 256 of K, per chunk), each in a
-// fresh accumulator, and writes each chunk sum to its own shared memory,
-// f32 [q][64][BN + 8]. After a cluster barrier CTA r finishes rows
-// [64 r / C, 64 (r + 1) / C) of the tile: for each element it adds the chunk
-// sums of all CTAs in chunk order, ((0 + c0) + c1) + ..., reading its peers'
-// shared memory (distributed shared memory), and rounds once. Those are the
-// sums of the chunked one-CTA tiles bit for bit. Each CTA loads only its
-// chunks' share of x and of the weights: a call with fewer tiles than SMs
-// (a decode step) spreads its loading over C times as many SMs, with no f32
-// partials in global memory and no second kernel (the K split above needs
-// both). A second cluster barrier keeps every CTA's shared memory alive
-// until its peers have read it.
+// fresh accumulator, and sends each chunk sum's rows to the CTA that finishes
+// them: CTA o owns rows [o R, (o + 1) R) of the tile (R = ceil(64 / C)) and
+// receives every chunk's sum of its rows into its shared memory, f32
+// [chunks][R][BN + 8], by stores into distributed shared memory (pushed, so
+// that no CTA waits on a remote load). After a cluster barrier each CTA adds
+// its rows' chunk sums in chunk order, ((0 + c0) + c1) + ..., from its own
+// shared memory and rounds once. Those are the sums of the chunked one-CTA
+// tiles bit for bit. Each CTA loads only its chunks' share of x and of the
+// weights: a call with fewer tiles than SMs (a decode step) spreads its
+// loading over C times as many SMs, with no f32 partials in global memory and
+// no second kernel (the K split above needs both).
 template <int BN, int Stages>
 struct Sm90ClusterKTile {
   static constexpr int kBM = 64, kBN = BN, kBK = 64, kStages = Stages;
   static constexpr int kThreads = 128 + 32;  // one consumer warpgroup, one producer warp
   static constexpr int kABytes = kBM * kBK * 2, kBBytes = BN * kBK * 2, kStageBytes = kABytes + kBBytes;
   static constexpr int kAcc = BN / 2;
-  // Row pitch of a chunk sum in floats: + 8 puts the 8 rows of a warp's
-  // float2 stores in different banks.
+  // Row pitch of a received chunk sum in floats (+ 8: a warp's float2 stores
+  // of 8 rows fall in different banks).
   static constexpr int kSumPitch = BN + 8;
-  static constexpr int kSumBytes = kBM * kSumPitch * 4;
-  static constexpr int kMaxChunksPerCta = (227 * 1024 - 1024 - Stages * kStageBytes) / kSumBytes;
-  static constexpr int smem_bytes(int q) { return Stages * kStageBytes + q * kSumBytes + 1024; }
+  // Dynamic shared memory: 227 KB per SM less 1 KB for the static barriers.
+  static constexpr int kMaxSmem = 227 * 1024 - 1024;
+  // The stages, the received chunk sums of R rows, the alignment slack.
+  static constexpr int smem_bytes(int chunks, int rows_owned) {
+    return Stages * kStageBytes + chunks * rows_owned * kSumPitch * 4 + 1024;
+  }
   static_assert(kStageBytes % 1024 == 0, "128-byte swizzled stages start at 1024-byte boundaries");
-  static_assert(kMaxChunksPerCta >= 1, "a chunk sum fits beside the stages");
 };
-using Sm90ClusterKN128 = Sm90ClusterKTile<128, 4>;  // 96 KB of stages, 34 KB per chunk sum: up to 3 chunks
-using Sm90ClusterKN64 = Sm90ClusterKTile<64, 6>;    // 96 KB, 18 KB per chunk: up to 7
-using Sm90ClusterKN32 = Sm90ClusterKTile<32, 8>;    // 96 KB, 10 KB per chunk: up to 12
+using Sm90ClusterKN128 = Sm90ClusterKTile<128, 4>;  // 96 KB of stages
+using Sm90ClusterKN64 = Sm90ClusterKTile<64, 6>;    // 96 KB
+using Sm90ClusterKN32 = Sm90ClusterKTile<32, 8>;    // 96 KB
 
 template <class T, class TOut>
 __global__ void __launch_bounds__(T::kThreads, 1)
@@ -876,13 +878,15 @@ __global__ void __launch_bounds__(T::kThreads, 1)
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   unsigned char* smem = sm90_smem_raw + ((1024 - (smem_u32(sm90_smem_raw) & 1023)) & 1023);
-  float* sums = reinterpret_cast<float*>(smem + kStages * T::kStageBytes);  // [q][64][kPitch]
+  float* received = reinterpret_cast<float*>(smem + kStages * T::kStageBytes);  // [chunks][R][kPitch]
 
   const cg::cluster_group cluster = cg::this_cluster();
   const int C = p.k_splits, rank = int(cluster.block_rank());
+  const int R = (T::kBM + C - 1) / C;  // rows owned per CTA
   // Tiles m fastest: neighbouring clusters share a slab of weights in L2.
   const int tile = int(blockIdx.x) / C;
   const int m0 = (tile % p.m_tiles) * T::kBM, n0 = (tile / p.m_tiles) * BN;
+  const int m_valid = p.rows - m0, n_valid = p.out_f - n0;
   const int k_tiles = (p.in_f + T::kBK - 1) / T::kBK;
   const int chunks = (k_tiles + kKChunkTiles - 1) / kKChunkTiles, q = (chunks + C - 1) / C;
   const int ch_begin = min(rank * q, chunks), ch_end = min(ch_begin + q, chunks);
@@ -897,7 +901,9 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
     mbar_init_fence();
   }
-  __syncthreads();
+  // Every CTA of the cluster has started (its shared memory may take the
+  // peers' stores) and its barriers are initialised.
+  cluster.sync();
 
   if (warp == 4) {
     // ---- producer: this CTA's k-steps, x [rows, in] box {64 k, 64 rows}, w [1, out, in] box {64 k, BN n, 1}
@@ -914,58 +920,58 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         tma_load_3d(sa + T::kABytes, &map_b, bar, kt * T::kBK, n0, 0);
       }
     }
+    __syncwarp();
   } else {
-    // ---- consumers: one chunk sum at a time, written to this CTA's slot ch - ch_begin
+    // ---- consumers: one chunk sum at a time, each valid row sent to its owner
     const int wq = warp & 3;
     int it = 0;
     for (int ch = ch_begin; ch < ch_end; ++ch) {
       float acc[T::kAcc];
       const int kb = ch * kKChunkTiles;
       sum_chunk<BN, kStages, T::kStageBytes>(acc, smem, full_bar, empty_bar, kb, min(kb + kKChunkTiles, k_tiles), it);
-      float* dst = sums + (ch - ch_begin) * (T::kBM * kPitch);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = 16 * wq + (lane >> 2) + 8 * h;
+        const int row = 16 * wq + (lane >> 2) + 8 * h, owner = row / R;
+        if (row >= m_valid) continue;
+        float* dst = cluster.map_shared_rank(received, owner) + (ch * R + row - owner * R) * kPitch;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j)
-          *reinterpret_cast<float2*>(dst + row * kPitch + 8 * j + 2 * (lane & 3)) =
+          *reinterpret_cast<float2*>(dst + 8 * j + 2 * (lane & 3)) =
               make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
       }
     }
   }
-  __syncwarp();    // the producer warp's lanes meet again before the cluster barrier
-  cluster.sync();  // every chunk sum of the tile is in its CTA's shared memory
+  cluster.sync();  // every chunk sum of this CTA's rows has arrived
 
-  // ---- this CTA's rows of the tile: the chunk sums in chunk order, then one rounding
-  const int r_begin = rank * T::kBM / C, r_end = (rank + 1) * T::kBM / C;
-  const int m_valid = p.rows - m0, n_valid = p.out_f - n0;
+  // ---- this CTA's rows: the chunk sums in chunk order, then one rounding
+  const int r_begin = rank * R, rows = min(R, min(T::kBM, m_valid) - r_begin);
   TOut* gC = static_cast<TOut*>(p.c) + int64_t(m0) * p.ldc + n0;
   constexpr int kQuads = BN / 4;
-  for (int i = tid; i < (r_end - r_begin) * kQuads; i += T::kThreads) {
-    const int row = r_begin + i / kQuads, col = 4 * (i % kQuads);
-    if (row >= m_valid || col >= n_valid) continue;
+  for (int i = tid; i < rows * kQuads; i += T::kThreads) {
+    const int r = i / kQuads, col = 4 * (i % kQuads);
+    if (col >= n_valid) continue;
+    const float* src = received + r * kPitch + col;
     float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int ch = 0; ch < chunks; ++ch) {
-      const float* src = cluster.map_shared_rank(sums, ch / q) + (ch % q) * (T::kBM * kPitch) + row * kPitch + col;
-      const float4 v = *reinterpret_cast<const float4*>(src);
+      const float4 v = *reinterpret_cast<const float4*>(src + ch * R * kPitch);
       t.x += v.x;
       t.y += v.y;
       t.z += v.z;
       t.w += v.w;
     }
-    TOut* crow = gC + int64_t(row) * p.ldc + col;
+    TOut* crow = gC + int64_t(r_begin + r) * p.ldc + col;
     store_pair(crow, t.x, t.y, false);
     if (col + 2 < n_valid) store_pair(crow + 2, t.z, t.w, false);
   }
-  cluster.sync();  // the peers are done reading this CTA's chunk sums
 #else
   __trap();  // built without sm_90a; the dispatcher never launches this
 #endif
 }
 
-// The cluster K split's shape for a plain GEMM: cluster size and chunks per CTA.
+// The cluster K split's shape for a plain GEMM: cluster size, chunks per CTA
+// and the dynamic shared memory.
 struct ClusterKPlan {
-  int ctas = 0, c = 0, q = 0;  // ctas = tiles x c; 0: this width does not split
+  int ctas = 0, c = 0, q = 0, smem = 0;  // ctas = tiles x c; 0: this width does not split
 };
 template <class T>
 ClusterKPlan plan_cluster_k(int64_t rows, int64_t n, int64_t chunks, int64_t sms) {
@@ -974,10 +980,12 @@ ClusterKPlan plan_cluster_k(int64_t rows, int64_t n, int64_t chunks, int64_t sms
   ClusterKPlan plan;
   if (c_max < 2) return plan;
   const int64_t q = (chunks + c_max - 1) / c_max, c = (chunks + q - 1) / q;  // every CTA gets a chunk
-  if (q > T::kMaxChunksPerCta || c < 2) return plan;
+  const int64_t smem = T::smem_bytes(int(chunks), int((T::kBM + c - 1) / c));
+  if (c < 2 || smem > T::kMaxSmem) return plan;
   plan.ctas = int(tiles * c);
   plan.c = int(c);
   plan.q = int(q);
+  plan.smem = int(smem);
   return plan;
 }
 
@@ -994,14 +1002,13 @@ void launch_plain_cluster_k_sm90(const GroupedGemmParams& p, const ClusterKPlan&
   SLIME_CUDA_CHECK(cudaGetDevice(&device));
   const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
   if (bit == 0 || (attribute_set.load(std::memory_order_relaxed) & bit) == 0) {
-    SLIME_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::smem_bytes(T::kMaxChunksPerCta)));
+    SLIME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kMaxSmem));
     attribute_set.fetch_or(bit, std::memory_order_relaxed);
   }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned(plan.ctas));
   cfg.blockDim = dim3(T::kThreads);
-  cfg.dynamicSmemBytes = std::size_t(T::smem_bytes(plan.q));
+  cfg.dynamicSmemBytes = std::size_t(plan.smem);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
