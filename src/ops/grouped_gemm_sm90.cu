@@ -968,30 +968,30 @@ __global__ void __launch_bounds__(T::kThreads, 1)
 #endif
 }
 
-// The cluster K split's shape for a plain GEMM: cluster size, chunks per CTA
-// and the dynamic shared memory.
-struct ClusterKPlan {
-  int ctas = 0, c = 0, q = 0, smem = 0;  // ctas = tiles x c; 0: this width does not split
-};
+// The cluster K split of a plain GEMM on tile T: the cluster size that
+// gives the most CTAs (at most one per SM, at most 8 per cluster, every CTA
+// with a chunk); width 0 where fewer than 2 CTAs per tile fit or the
+// received chunk sums do not fit in shared memory.
 template <class T>
-ClusterKPlan plan_cluster_k(int64_t rows, int64_t n, int64_t chunks, int64_t sms) {
+GroupedGemmClusterKPlan plan_cluster_k(int64_t rows, int64_t n, int64_t chunks, int64_t sms) {
   const int64_t tiles = ((rows + T::kBM - 1) / T::kBM) * ((n + T::kBN - 1) / T::kBN);
   const int64_t c_max = std::min<int64_t>({8, chunks, sms / std::max<int64_t>(tiles, 1)});
-  ClusterKPlan plan;
+  GroupedGemmClusterKPlan plan;
   if (c_max < 2) return plan;
   const int64_t q = (chunks + c_max - 1) / c_max, c = (chunks + q - 1) / q;  // every CTA gets a chunk
   const int64_t smem = T::smem_bytes(int(chunks), int((T::kBM + c - 1) / c));
   if (c < 2 || smem > T::kMaxSmem) return plan;
+  plan.width = T::kBN;
+  plan.cluster = int(c);
+  plan.chunks_per_cta = int(q);
   plan.ctas = int(tiles * c);
-  plan.c = int(c);
-  plan.q = int(q);
-  plan.smem = int(smem);
+  plan.smem_bytes = int(smem);
   return plan;
 }
 
 template <class T, class TOut>
-void launch_plain_cluster_k_sm90(const GroupedGemmParams& p, const ClusterKPlan& plan, cudaStream_t stream) {
-  const Sm90Params kp = plain_params<T>(p, plan.c);
+void launch_plain_cluster_k_sm90(const GroupedGemmParams& p, const GroupedGemmClusterKPlan& plan, cudaStream_t stream) {
+  const Sm90Params kp = plain_params<T>(p, plan.cluster);
   const CUtensorMap ma = map_2d(p.a, uint64_t(p.in_features), uint64_t(p.rows), 64, T::kBM);
   const CUtensorMap mb = map_weights(p.b, uint64_t(p.in_features), uint64_t(p.out_features), 1, 64, T::kBN);
   auto kernel = plain_cluster_k_sm90_kernel<T, TOut>;
@@ -1008,11 +1008,11 @@ void launch_plain_cluster_k_sm90(const GroupedGemmParams& p, const ClusterKPlan&
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(unsigned(plan.ctas));
   cfg.blockDim = dim3(T::kThreads);
-  cfg.dynamicSmemBytes = std::size_t(plan.smem);
+  cfg.dynamicSmemBytes = std::size_t(plan.smem_bytes);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(plan.c);
+  attr[0].val.clusterDim.x = unsigned(plan.cluster);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
@@ -1020,59 +1020,41 @@ void launch_plain_cluster_k_sm90(const GroupedGemmParams& p, const ClusterKPlan&
   SLIME_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, ma, mb, kp));
 }
 
-// SLIME_GEMM_CLUSTER_K=0 keeps the chunked plain GEMM of few rows off the
-// cluster K split (the before/after benchmarks); on by default.
+// SLIME_GEMM_CLUSTER_K=1 (with SLIME_GEMM_K_CHUNKS=1) runs the chunked
+// plain GEMM of few rows on the cluster K split. Opt-in until its version
+// with pushed chunk sums has run on a GPU: the first version (remote loads)
+// lost at 32-256 rows (bench/RESULTS.md, "Decode GEMMs in m-tile order, and
+// the cluster K split").
 bool plain_cluster_k() {
   static const bool on = [] {
     const char* v = std::getenv("SLIME_GEMM_CLUSTER_K");
-    return v == nullptr || std::string_view(v) != "0";
+    return v != nullptr && std::string_view(v) == "1";
   }();
   return on;
 }
 
-// With K chunks (SLIME_GEMM_K_CHUNKS=1), an automatic plain GEMM of at most
-// 256 rows whose tiles leave SMs idle runs the cluster K split: of n128, n64
-// and n32 the width that gives the most CTAs (at most one per SM; the wider
-// on a tie: it re-reads x less). width 0: no split (K chunks off, a forced
-// tile, more rows, fewer than 2 chunks, or tiles enough to cover the SMs).
-struct ClusterKChoice {
-  int width = 0;
-  ClusterKPlan plan;
-};
-ClusterKChoice choose_cluster_k(const GroupedGemmParams& p) {
-  ClusterKChoice choice;
-  if (p.pass != Pass::forward || p.offsets != nullptr || p.rows > 256 || p.rows == 0 || !plain_k_chunks() ||
-      !plain_cluster_k() || p.tile != GroupedGemmTile::automatic || plain_tile_override() != GroupedGemmTile::automatic)
-    return choice;
-  const int64_t chunks = ceil_div(ceil_div(p.in_features, 64), kKChunkTiles);
-  const int64_t sms = ::slime::ops::detail::tma::sm_count();
-  const ClusterKPlan n128 = plan_cluster_k<Sm90ClusterKN128>(p.rows, p.out_features, chunks, sms);
-  const ClusterKPlan n64 = plan_cluster_k<Sm90ClusterKN64>(p.rows, p.out_features, chunks, sms);
-  const ClusterKPlan n32 = plan_cluster_k<Sm90ClusterKN32>(p.rows, p.out_features, chunks, sms);
-  const int best = std::max({n128.ctas, n64.ctas, n32.ctas});
-  if (best == 0) return choice;
-  if (n128.ctas == best) {
-    choice = {128, n128};
-  } else if (n64.ctas == best) {
-    choice = {64, n64};
-  } else {
-    choice = {32, n32};
-  }
-  return choice;
+// The cluster K split of p, width 0 where it does not run: K chunks or the
+// split off, a forced tile, not a plain forward GEMM, or no plan
+// (grouped_gemm_sm90_cluster_k_plan).
+GroupedGemmClusterKPlan choose_cluster_k(const GroupedGemmParams& p) {
+  if (p.pass != Pass::forward || p.offsets != nullptr || !plain_k_chunks() || !plain_cluster_k() ||
+      p.tile != GroupedGemmTile::automatic || plain_tile_override() != GroupedGemmTile::automatic)
+    return {};
+  return grouped_gemm_sm90_cluster_k_plan(p.rows, p.out_features, p.in_features, ::slime::ops::detail::tma::sm_count());
 }
 
 template <class TOut>
 bool try_plain_cluster_k(const GroupedGemmParams& p, cudaStream_t stream) {
-  const ClusterKChoice choice = choose_cluster_k(p);
-  switch (choice.width) {
+  const GroupedGemmClusterKPlan plan = choose_cluster_k(p);
+  switch (plan.width) {
     case 128:
-      launch_plain_cluster_k_sm90<Sm90ClusterKN128, TOut>(p, choice.plan, stream);
+      launch_plain_cluster_k_sm90<Sm90ClusterKN128, TOut>(p, plan, stream);
       return true;
     case 64:
-      launch_plain_cluster_k_sm90<Sm90ClusterKN64, TOut>(p, choice.plan, stream);
+      launch_plain_cluster_k_sm90<Sm90ClusterKN64, TOut>(p, plan, stream);
       return true;
     case 32:
-      launch_plain_cluster_k_sm90<Sm90ClusterKN32, TOut>(p, choice.plan, stream);
+      launch_plain_cluster_k_sm90<Sm90ClusterKN32, TOut>(p, plan, stream);
       return true;
     default:
       return false;
@@ -1247,9 +1229,20 @@ GroupedGemmTile grouped_gemm_sm90_plain_tile(int64_t rows, int64_t n) {
   return GroupedGemmTile::sm90_m64n16;
 }
 
+GroupedGemmClusterKPlan grouped_gemm_sm90_cluster_k_plan(int64_t rows, int64_t n, int64_t k, int64_t sms) {
+  if (rows <= 0 || rows > 256 || n <= 0 || k <= 0 || sms <= 0) return {};
+  const int64_t chunks = ceil_div(ceil_div(k, 64), kKChunkTiles);
+  const GroupedGemmClusterKPlan n128 = plan_cluster_k<Sm90ClusterKN128>(rows, n, chunks, sms);
+  const GroupedGemmClusterKPlan n64 = plan_cluster_k<Sm90ClusterKN64>(rows, n, chunks, sms);
+  const GroupedGemmClusterKPlan n32 = plan_cluster_k<Sm90ClusterKN32>(rows, n, chunks, sms);
+  const int best = std::max({n128.ctas, n64.ctas, n32.ctas});
+  if (best == 0) return {};
+  return n128.ctas == best ? n128 : n64.ctas == best ? n64 : n32;  // the wider on a tie: it re-reads x less
+}
+
 int grouped_gemm_sm90_cluster_k(const GroupedGemmParams& p) {
   if (!grouped_gemm_sm90_built() || !grouped_gemm_sm90_device()) return 0;
-  return choose_cluster_k(p).plan.c;
+  return choose_cluster_k(p).cluster;
 }
 
 // Called by grouped_gemm (grouped_gemm.cu) after its checks, for a sm90 tile,

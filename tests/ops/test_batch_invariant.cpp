@@ -6,6 +6,8 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -13,6 +15,7 @@
 
 #include "slime/core/random.hpp"
 #include "slime/ops/batch_invariant.hpp"
+#include "slime/ops/cuda/grouped_gemm.hpp"
 #include "slime/ops/linear.hpp"
 #include "slime/ops/token_logprobs.hpp"
 
@@ -123,3 +126,56 @@ TEST_CASE("batch-invariant mode: CPU rows do not depend on the batch, in and out
     }
   }
 }
+
+// The Hopper plain GEMM's cluster K split (opt-in, batch-invariant decode):
+// its planner is host code and runs without a GPU, in any CUDA build.
+#if SLIME_HAS_CUDA
+TEST_CASE("the cluster K split's plan keeps every CTA busy and fits the SM", "[ops][gemm]") {
+  using ops::cuda::grouped_gemm_sm90_cluster_k_plan;
+  // A decode step's projections (hidden 1024) on 132 SMs.
+  {
+    const auto one = grouped_gemm_sm90_cluster_k_plan(1, 1024, 1024, 132);  // 4 chunks: n32, 32 tiles x 4
+    CHECK(one.width == 32);
+    CHECK(one.cluster == 4);
+    CHECK(one.chunks_per_cta == 1);
+    CHECK(one.ctas == 128);
+    const auto down = grouped_gemm_sm90_cluster_k_plan(256, 1024, 3072, 132);  // 12 chunks: n128, 32 tiles x 4
+    CHECK(down.width == 128);
+    CHECK(down.cluster == 4);
+    CHECK(down.chunks_per_cta == 3);
+    CHECK(down.ctas == 128);
+    // 192 n128 tiles already cover the SMs; past 256 rows, or one chunk: no split.
+    CHECK(grouped_gemm_sm90_cluster_k_plan(256, 6144, 1024, 132).width == 0);
+    CHECK(grouped_gemm_sm90_cluster_k_plan(257, 1024, 1024, 132).width == 0);
+    CHECK(grouped_gemm_sm90_cluster_k_plan(1, 1024, 256, 132).width == 0);
+    CHECK(grouped_gemm_sm90_cluster_k_plan(0, 1024, 1024, 132).width == 0);
+  }
+  int planned = 0;
+  for (int64_t rows : {1, 7, 64, 65, 128, 200, 256}) {
+    for (int64_t n : {8, 16, 100, 776, 1024, 1536, 6144, 32000}) {
+      for (int64_t k : {64, 256, 257, 1000, 2048, 3072, 8192, 65536}) {
+        for (int64_t sms : {1, 16, 78, 114, 132}) {
+          const auto plan = grouped_gemm_sm90_cluster_k_plan(rows, n, k, sms);
+          if (plan.width == 0) continue;
+          ++planned;
+          INFO(rows << " x " << k << " -> " << n << " on " << sms << " SMs: width " << plan.width << ", cluster "
+                    << plan.cluster << ", " << plan.chunks_per_cta << " chunks per CTA");
+          const int64_t chunks = ((k + 63) / 64 + 3) / 4;
+          const int64_t tiles = (rows + 63) / 64 * ((n + plan.width - 1) / plan.width);
+          CHECK((plan.width == 32 || plan.width == 64 || plan.width == 128));
+          CHECK(plan.cluster >= 2);
+          CHECK(plan.cluster <= std::min<int64_t>(8, chunks));
+          // Every CTA has a chunk, and the CTAs cover all chunks.
+          CHECK(int64_t(plan.cluster - 1) * plan.chunks_per_cta < chunks);
+          CHECK(int64_t(plan.cluster) * plan.chunks_per_cta >= chunks);
+          CHECK(plan.ctas == tiles * plan.cluster);
+          CHECK(plan.ctas <= sms);
+          CHECK(plan.smem_bytes > 0);
+          CHECK(plan.smem_bytes <= 226 * 1024);
+        }
+      }
+    }
+  }
+  CHECK(planned > 100);  // the sweep exercised the planner
+}
+#endif  // SLIME_HAS_CUDA

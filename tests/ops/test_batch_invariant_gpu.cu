@@ -227,13 +227,13 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
     q.rows = 128 * 4 * 1024;
     CHECK(ops::cuda::grouped_gemm_tile_for(q) ==
           (chunks ? GroupedGemmTile::sm90_m128n128 : GroupedGemmTile::sm90_m128n256));
-    // With K chunks a few rows run the cluster K split (unless turned off or
-    // a tile is forced): 1 row of 1024 x 1024, 4 chunks, 4 CTAs per cluster;
+    // With K chunks and SLIME_GEMM_CLUSTER_K=1 a few rows run the cluster K
+    // split (unless a tile is forced): 1 row of 1024 x 1024, 4 chunks, 4 CTAs per cluster;
     // 2048 x 256 rows (8 chunks, 2 per CTA of a 4-CTA cluster on 132 SMs); never
     // past 256 rows or with a forced tile.
     const char* cluster_env = std::getenv("SLIME_GEMM_CLUSTER_K");
-    const bool cluster = chunks && std::getenv("SLIME_GEMM_PLAIN_TILE") == nullptr &&
-                         (cluster_env == nullptr || std::string(cluster_env) != "0");
+    const bool cluster = chunks && std::getenv("SLIME_GEMM_PLAIN_TILE") == nullptr && cluster_env != nullptr &&
+                         std::string(cluster_env) == "1";
     q.rows = 1;
     CHECK(ops::cuda::grouped_gemm_sm90_cluster_k(q) == (cluster ? 4 : 0));
     q.in_features = 2048;
@@ -300,7 +300,7 @@ TEST_CASE("a plain GEMM on Hopper: tile width and K split leave the bits unchang
       const GroupedGemmTile tiles[] = {GroupedGemmTile::automatic,    GroupedGemmTile::sm90_m128n128,
                                        GroupedGemmTile::sm90_m128n64, GroupedGemmTile::sm90_m64n64,
                                        GroupedGemmTile::sm90_m64n32,  GroupedGemmTile::sm90_m64n16};
-      // 1 to 256 rows, automatic: with K chunks the cluster K split (K 1000:
+      // 1 to 256 rows, automatic: with the cluster K split on (K 1000:
       // 4 chunks; 2048: 8 chunks, 2 per CTA at 256 rows; partial n tiles at 200 and 776).
       for (int64_t rows : {1, 7, 64, 256, 300}) {
         for (GroupedGemmTile t : tiles) {

@@ -224,12 +224,25 @@ bool grouped_gemm_hopper_kernels();
 // settings).
 GroupedGemmTile grouped_gemm_tile_for(const GroupedGemmParams& p);
 
-// With K chunks, an automatic plain forward GEMM of at most 256 rows whose
-// tiles leave SMs idle runs the cluster K split instead of the tile that
-// grouped_gemm_tile_for names: a 64 x 128, 64 or 32 tile per cluster of up to
-// 8 CTAs, each summing a share of the K chunks, the chunk sums added in order
-// through distributed shared memory (the same bits; SLIME_GEMM_CLUSTER_K=0
-// turns it off). The cluster size that p runs with, 0 when it does not.
+// The cluster K split (opt-in: SLIME_GEMM_K_CHUNKS=1 and
+// SLIME_GEMM_CLUSTER_K=1): an automatic plain forward GEMM of at most 256
+// rows whose tiles leave SMs idle runs a 64 x `width` tile per cluster of
+// `cluster` CTAs instead of the tile that grouped_gemm_tile_for names; each
+// CTA sums `chunks_per_cta` of the tile's K chunks and stores the chunk sums'
+// rows into the shared memory of the CTA that finishes them, which adds them
+// in order (the same bits as the one-CTA kernels).
+struct GroupedGemmClusterKPlan {
+  int width = 0;           // 128, 64 or 32; 0: no split
+  int cluster = 0;         // CTAs per cluster (2..8)
+  int chunks_per_cta = 0;  // K chunks (256 of K each) summed by one CTA
+  int ctas = 0;            // tiles x cluster, at most the SMs
+  int smem_bytes = 0;      // dynamic shared memory per CTA
+};
+// The split for a plain GEMM of rows x k -> n on `sms` SMs, whether or not
+// the switches are on: the width with the most CTAs (the wider on a tie),
+// the largest cluster that keeps every CTA busy. Host code; no device needed.
+GroupedGemmClusterKPlan grouped_gemm_sm90_cluster_k_plan(int64_t rows, int64_t n, int64_t k, int64_t sms);
+// The cluster size that p runs with on this device, 0 when it does not.
 int grouped_gemm_sm90_cluster_k(const GroupedGemmParams& p);
 
 // "m128n256k64", ..., "simple", "automatic".
